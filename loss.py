@@ -1,0 +1,131 @@
+"""Log-probabilities and the DPO loss family, computed in float32.
+
+Copyable on its own: imports only the standard library and torch.
+
+References
+- DPO: Rafailov et al. 2023, "Direct Preference Optimization", https://arxiv.org/abs/2305.18290 (Eq. 7).
+- cDPO: Mitchell 2023, "A note on DPO with noisy preferences", https://ericmitchell.ai/cdpo.pdf
+- IPO: Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human Preferences",
+  https://arxiv.org/abs/2310.12036 (Eq. 17).
+- Hinge (SLiC): Zhao et al. 2023, "SLiC-HF", https://arxiv.org/abs/2305.10425 (Eq. 2, with delta = 1).
+- Robust DPO: Chowdhury et al. 2024, "Provably Robust DPO", https://arxiv.org/abs/2403.00409 (Eq. 8).
+- SimPO: Meng et al. 2024, "SimPO", https://arxiv.org/abs/2405.14734 (Eq. 6).
+"""
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+import torch.nn.functional as F
+
+LossType = Literal["dpo", "ipo", "hinge", "robust", "simpo"]
+IGNORE_INDEX = -100
+
+_REFERENCE_FREE = {"simpo"}  # losses that never look at a reference model
+_AVERAGED = {"simpo"}  # losses defined on length-averaged log-probs
+
+
+@dataclass
+class LossConfig:
+    loss: LossType = "dpo"
+    """Preference loss: dpo (cDPO when --label-smoothing > 0), ipo, hinge, robust, or simpo (reference-free)."""
+    beta: float = 0.1
+    """Inverse temperature: how far the policy may move from the reference (DPO's beta)."""
+    label_smoothing: float = 0.0
+    """Assumed share of flipped preference labels, in [0, 0.5): cDPO for dpo, the noise rate for robust."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin (gamma), used only with --loss simpo."""
+
+    def __post_init__(self):
+        if self.loss not in get_args(LossType):
+            raise ValueError(f"--loss {self.loss!r} is not one of {', '.join(get_args(LossType))}")
+        if not self.beta > 0:
+            raise ValueError(f"--beta must be > 0, got {self.beta}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"--label-smoothing must be in [0, 0.5), got {self.label_smoothing}")
+
+    @property
+    def reference_free(self) -> bool:
+        """True when the loss needs no reference model."""
+        return self.loss in _REFERENCE_FREE
+
+    @property
+    def average_logps(self) -> bool:
+        """True when the loss takes per-token mean log-probs instead of sums."""
+        return self.loss in _AVERAGED
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, average: bool = False) -> torch.Tensor:
+    """Log-probability of each row's labelled tokens, in float32.
+
+    logits: (B, T, V), any float dtype. labels: (B, T), aligned with the input ids as in Hugging Face: the
+    token at position t is scored by the logits at t - 1 (the shift happens here); IGNORE_INDEX (-100) marks
+    positions that do not count. Returns (B,) float32: sum_t log p(labels_t | <t), or the mean over counted
+    tokens when average=True. A row with no counted tokens gives 0.
+
+    Only the counted positions are gathered and upcast, so the float32 copy is (N, V) for N response
+    tokens, not (B, T, V) for the whole batch with its prompts and padding.
+    """
+    if logits.shape[:2] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on (B, T)")
+    labels = labels[:, 1:]  # (B, T-1): the targets
+    mask = labels != IGNORE_INDEX  # (B, T-1)
+    picked = logits[:, :-1][mask].float()  # (N, V), N = counted tokens
+    targets = labels[mask].unsqueeze(-1)  # (N, 1)
+    token_logps = picked.gather(-1, targets).squeeze(-1) - picked.logsumexp(-1)  # (N,)
+    per_token = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
+    per_token = per_token.masked_scatter(mask, token_logps)  # (B, T-1), zeros where not counted
+    total = per_token.sum(-1)
+    if not average:
+        return total
+    return total / mask.sum(-1).clamp(min=1)
+
+
+def preference_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor | None,
+    ref_rejected_logps: torch.Tensor | None,
+    loss_type: LossType = LossConfig.loss,
+    beta: float = LossConfig.beta,
+    label_smoothing: float = LossConfig.label_smoothing,
+    simpo_gamma: float = LossConfig.simpo_gamma,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair preference losses and implicit rewards.
+
+    All log-prob arguments are (B,) (summed, or averaged for simpo). The reference ones may be None for a
+    reference-free loss (simpo), and are then taken as 0. With h = (pi_c - ref_c) - (pi_r - ref_r),
+    eps = label_smoothing and s = sigmoid:
+
+        dpo     -(1 - eps) log s(beta h) - eps log s(-beta h)            DPO Eq. 7; cDPO when eps > 0
+        ipo     (h - 1 / (2 beta))^2                                     IPO Eq. 17
+        hinge   max(0, 1 - beta h)                                       SLiC Eq. 2
+        robust  (-(1 - eps) log s(beta h) + eps log s(-beta h)) / (1 - 2 eps)   rDPO Eq. 8
+        simpo   -log s(beta (pi_c - pi_r) - simpo_gamma)                 SimPO Eq. 6, pi = mean log-probs
+
+    Returns (losses, chosen_rewards, rejected_rewards), each (B,) float32, losses not reduced, rewards
+    detached: beta * (policy - reference).
+    """
+    if ref_chosen_logps is None or ref_rejected_logps is None:
+        if loss_type not in _REFERENCE_FREE:
+            raise ValueError(f"loss {loss_type!r} needs reference log-probs")
+        ref_chosen_logps = ref_rejected_logps = torch.zeros_like(policy_chosen_logps)
+    pc, pr = policy_chosen_logps.float(), policy_rejected_logps.float()
+    rc, rr = ref_chosen_logps.float(), ref_rejected_logps.float()
+    h = (pc - rc) - (pr - rr)  # (B,)
+    eps = label_smoothing
+    if loss_type == "dpo":
+        losses = -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
+    elif loss_type == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * h)
+    elif loss_type == "robust":
+        losses = (-(1 - eps) * F.logsigmoid(beta * h) + eps * F.logsigmoid(-beta * h)) / (1 - 2 * eps)
+    elif loss_type == "simpo":
+        losses = -F.logsigmoid(beta * (pc - pr) - simpo_gamma)
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {', '.join(get_args(LossType))}")
+    chosen_rewards = beta * (pc - rc).detach()
+    rejected_rewards = beta * (pr - rr).detach()
+    return losses, chosen_rewards, rejected_rewards

@@ -1,0 +1,56 @@
+"""Precision modes: one name maps to the compute dtype, the FSDP2 mixed-precision policy and the loss scaler.
+
+Copyable on its own: imports only the standard library and torch.
+
+In every mode the sharded master weights, their gradients after reduction and the optimizer state are
+float32; only the all-gathered copy used for forward and backward takes the compute dtype.
+
+    name   forward/backward   gradient reduce-scatter   loss scaling
+    fp32   float32            float32                   no
+    bf16   bfloat16           float32                   no
+    fp16   float16            float32                   torch.amp.GradScaler
+    auto   bf16 on a CUDA device that supports it, otherwise fp32
+"""
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+PrecisionName = Literal["auto", "fp32", "bf16", "fp16"]
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    """The resolved mode: fp32, bf16 or fp16 (never auto)."""
+    compute_dtype: torch.dtype
+    """Dtype of the gathered parameters, activations and logits."""
+    mp_policy: MixedPrecisionPolicy
+    """FSDP2 policy: gather parameters in compute_dtype, reduce gradients in float32."""
+    scaler: torch.amp.GradScaler | None
+    """Dynamic loss scaler for fp16, else None."""
+
+
+def resolve_precision(name: str, device: torch.device) -> Precision:
+    """Turn a precision name into dtypes, the FSDP2 policy and (fp16) a GradScaler for `device`.
+
+    Raises ValueError for an unknown name, or for bf16 on a CUDA device without bfloat16 support.
+    """
+    choices = ", ".join(get_args(PrecisionName))
+    if name not in get_args(PrecisionName):
+        raise ValueError(f"--precision {name!r} is not one of {choices}")
+    if name == "auto":
+        name = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        gpu = torch.cuda.get_device_name(device)
+        raise ValueError(f"--precision bf16: {gpu} has no bfloat16 support; choose fp16 or fp32 ({choices})")
+    if name != "fp32" and device.type not in ("cuda", "cpu"):
+        raise ValueError(f"--precision {name}: not supported on device {device.type}; choose fp32 ({choices})")
+    dtype = _DTYPES[name]
+    # Float32 reduction: summing N bf16/fp16 gradients loses bits and fp16 can overflow mid-reduction.
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    scaler = torch.amp.GradScaler(device.type) if name == "fp16" else None
+    return Precision(name=name, compute_dtype=dtype, mp_policy=policy, scaler=scaler)

@@ -1,0 +1,343 @@
+"""DPO training with FSDP2 mixed precision. One code path for 1..N ranks.
+
+    python train_dpo.py                                   # tiny model, built-in demo data, CPU is fine
+    torchrun --nproc_per_node=8 train_dpo.py --precision bf16 --model <hub id or dir> --data prefs.jsonl
+
+Reads top to bottom: config, distributed, precision, data, models, optimizer, loop, save.
+"""
+
+import copy
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Annotated, Literal
+
+import torch
+import torch.distributed as dist
+import transformers
+import tyro
+
+from checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from data import DataConfig, DataError, build_batches, collate_pairs, load_pairs, tokenize_pairs
+from fsdp_setup import apply_fsdp, close_distributed, gather_full_state_dict, init_distributed
+from loss import LossConfig, preference_loss, sequence_logps
+from precision import PrecisionName, resolve_precision
+
+
+# ---------------------------------------------------------------------------------------------- config
+@dataclass
+class Config:
+    model: str = "tiny"
+    """Hub id, local folder, or "tiny" (random-init Llama, byte tokenizer, no download). Reference: a frozen copy."""
+    dataset: Annotated[DataConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=DataConfig)
+    objective: Annotated[LossConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=LossConfig)
+    precision: PrecisionName = "auto"
+    """Compute precision; master weights, gradient reduction and optimizer state stay float32."""
+    ref: Literal["online"] = "online"
+    """How reference log-probs are obtained: online runs the frozen reference model on every batch."""
+    batch_size: int = 32
+    """Global preference pairs per optimizer step, over all ranks and accumulation steps."""
+    micro_batch_size: int | None = None
+    """Pairs per rank per forward (2x rows). Default: batch-size / ranks. Accumulation = batch / (micro x ranks)."""
+    lr: float | None = None
+    """Peak learning rate. Default: 1e-3 for --model tiny (trained from scratch), else 5e-7 (DPO paper)."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    warmup_steps: int = 10
+    """Linear warmup steps, then cosine decay to a tenth of --lr at the last step."""
+    max_steps: int = 0
+    """Optimizer steps to run; 0 means --epochs full passes over the data."""
+    epochs: int = 1
+    """Passes over the training data, when --max-steps is 0."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
+    out_dir: str = "runs/dpo"
+    """Where metrics.jsonl, checkpoints/ and final/ (the Hugging Face export) go."""
+    eval_every: int = 0
+    """Evaluate on the held-out set every N steps; 0 means only at the end."""
+    save_every: int = 0
+    """Save a sharded checkpoint to {out_dir}/checkpoints every N steps; 0 disables."""
+    resume: str | None = None
+    """Resume from a checkpoint folder, or "latest" for {out_dir}/checkpoints/latest."""
+    seed: int = 0
+    """Seeds the tiny model's init and the data order."""
+
+    def validate(self, world_size: int) -> int:
+        """Check the settings against the world size; return the gradient accumulation steps."""
+        for name in ("batch_size", "epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_steps", "warmup_steps", "eval_every", "save_every", "max_grad_norm", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        micro = self.micro_batch_size or self.batch_size // world_size
+        if micro < 1 or self.batch_size % (micro * world_size):
+            raise ValueError(f"--batch-size {self.batch_size} must be a multiple of --micro-batch-size "
+                             f"({micro}) x {world_size} ranks")
+        self.micro_batch_size = micro
+        return self.batch_size // (micro * world_size)
+
+
+def build_tiny(seed: int):
+    """A ~1M-parameter Llama and ByT5's byte tokenizer: trains on a laptop CPU, needs no files."""
+    from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
+    tokenizer = ByT5Tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config), tokenizer
+
+
+def load_model(name: str, seed: int):
+    """(model in float32, tokenizer) for "tiny", a hub id or a local folder."""
+    if name == "tiny":
+        return build_tiny(seed)
+    if name.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(name)):
+        raise ValueError(f"--model {name}: no such folder")
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+    except OSError as e:
+        raise ValueError(f"--model {name}: cannot load ({str(e).strip().splitlines()[0]})") from None
+    return model, tokenizer
+
+
+# ---------------------------------------------------------------------------------------------- the step
+def forward_pairs(policy, reference, batch: dict, objective: LossConfig) -> dict:
+    """Per-pair losses, rewards and policy log-probs for one (2B, T) batch of [chosen; rejected] rows."""
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
+    logits = policy(**inputs).logits  # (2B, T, V) in the compute dtype
+    logps = sequence_logps(logits, batch["labels"], average=objective.average_logps)  # (2B,) float32
+    chosen, rejected = logps.chunk(2)
+    ref_chosen = ref_rejected = None
+    if reference is not None:
+        with torch.no_grad():
+            ref_logps = sequence_logps(reference(**inputs).logits, batch["labels"], objective.average_logps)
+        ref_chosen, ref_rejected = ref_logps.chunk(2)
+    losses, chosen_rewards, rejected_rewards = preference_loss(
+        chosen, rejected, ref_chosen, ref_rejected, loss_type=objective.loss, beta=objective.beta,
+        label_smoothing=objective.label_smoothing, simpo_gamma=objective.simpo_gamma)
+    return {"losses": losses, "chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards,
+            "chosen_logps": chosen.detach(), "rejected_logps": rejected.detach()}
+
+
+_SUMMED = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+           "logps/chosen", "logps/rejected")
+
+
+def _pair_sums(out: dict, weight: torch.Tensor) -> torch.Tensor:
+    """Weighted sums over pairs of each _SUMMED metric, as one (len(_SUMMED),) tensor: no host sync."""
+    cr, rr = out["chosen_rewards"], out["rejected_rewards"]
+    per_pair = [out["losses"].detach(), cr, rr, (cr > rr).float(), cr - rr, out["chosen_logps"],
+                out["rejected_logps"]]
+    return torch.stack([(x * weight).sum() for x in per_pair])
+
+
+def _means(sums: torch.Tensor, count: float) -> dict:
+    return {k: v / count for k, v in zip(_SUMMED, sums.tolist())}
+
+
+@torch.no_grad()
+def evaluate(policy, reference, pairs: list, cfg: Config, rank: int, world: int, device, pad_id: int) -> dict:
+    """Means over the whole held-out set. Ranks take disjoint strided slices; a rank with fewer pairs
+    runs a zero-weight dummy batch so every rank makes the same number of FSDP collectives."""
+    policy.eval()
+    mine = list(range(rank, len(pairs), world))
+    micro = cfg.micro_batch_size
+    sums = torch.zeros(len(_SUMMED) + 1, device=device)
+    for b in range(math.ceil(math.ceil(len(pairs) / world) / micro)):
+        idx = mine[b * micro:(b + 1) * micro]
+        weight = torch.tensor([1.0] * len(idx) or [0.0], device=device)
+        batch = collate_pairs([pairs[i] for i in idx or [0]], pad_id)
+        out = forward_pairs(policy, reference, {k: v.to(device) for k, v in batch.items()}, cfg.objective)
+        sums += torch.cat([_pair_sums(out, weight), weight.sum()[None]])
+    dist.all_reduce(sums)
+    policy.train()
+    return _means(sums[:-1], sums[-1].item())
+
+
+def get_lr(step: int, peak: float, warmup: int, total: int) -> float:
+    """1) linear warmup to peak over `warmup` steps; 2) cosine decay to peak/10 at the last step."""
+    if step < warmup:
+        return peak * (step + 1) / (warmup + 1)
+    progress = (step - warmup) / max(total - 1 - warmup, 1)
+    return peak / 10 + (peak - peak / 10) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def _say(msg: str) -> None:
+    """A message on stderr that does not collide with the progress bar on a terminal."""
+    print(("\r\033[K" if sys.stderr.isatty() else "") + msg, file=sys.stderr, flush=True)
+
+
+def _progress(step: int, total: int, m: dict) -> None:
+    """One-line progress bar on a terminal; a line every 5% when stderr is a file."""
+    done = int(30 * step / total)
+    line = (f"step {step}/{total} [{'#' * done}{'.' * (30 - done)}] loss {m['loss']:.4f} "
+            f"acc {m['rewards/accuracies']:.2f} margin {m['rewards/margins']:.3f} {m['tokens_per_s']:.0f} tok/s")
+    if sys.stderr.isatty():
+        print("\r" + line, end="\n" if step == total else "", file=sys.stderr, flush=True)
+    elif step == total or step % max(total // 20, 1) == 0:
+        print(line, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> None:
+    rank_env = int(os.environ.get("RANK", 0))
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        cfg = tyro.cli(Config, args=argv)
+        # Parse every input before the process group or out_dir exist: bad input costs nothing.
+        train_pairs = load_pairs(cfg.dataset.data)
+        eval_spec = cfg.dataset.eval_data or ("demo:eval" if cfg.dataset.data == "demo" else None)
+        eval_pairs = load_pairs(eval_spec) if eval_spec else []
+    except ValueError as e:
+        if rank_env == 0:
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+    # -- distributed, precision
+    rank, world, device = init_distributed()
+    try:
+        accum = cfg.validate(world)
+        precision = resolve_precision(cfg.precision, device)
+        # -- data
+        policy, tokenizer = load_model(cfg.model, cfg.seed)
+        max_positions = getattr(policy.config, "max_position_embeddings", None)
+        if max_positions and cfg.dataset.max_length > max_positions:
+            raise ValueError(f"--max-length {cfg.dataset.max_length} exceeds the model's {max_positions} positions")
+        lengths = (cfg.dataset.max_length, cfg.dataset.max_prompt_length)
+        train_tokens = tokenize_pairs(train_pairs, tokenizer, *lengths)
+        eval_tokens = tokenize_pairs(eval_pairs, tokenizer, *lengths)
+        steps_per_epoch = len(train_tokens) // cfg.batch_size
+        if steps_per_epoch == 0:
+            raise ValueError(f"{cfg.dataset.data}: {len(train_tokens)} pairs, fewer than one --batch-size "
+                             f"({cfg.batch_size})")
+        resume_path = find_checkpoint(os.path.join(cfg.out_dir, "checkpoints"), cfg.resume) if cfg.resume else None
+    except ValueError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        dist.destroy_process_group()
+        sys.exit(2)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
+    cfg.lr = lr = cfg.lr if cfg.lr is not None else (1e-3 if cfg.model == "tiny" else 5e-7)
+
+    # -- models: the reference is a frozen copy, sharded the same way
+    reference = None if cfg.objective.reference_free else copy.deepcopy(policy)
+    apply_fsdp(policy, precision.mp_policy)
+    if reference is not None:
+        apply_fsdp(reference, precision.mp_policy, frozen=True)
+    policy.train()
+
+    # -- optimizer: AdamW over the float32 sharded master weights
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+    start_step = 0
+    if resume_path:
+        start_step = load_checkpoint(resume_path, policy, optimizer)["step"]
+        if rank == 0:
+            _say(f"resumed from {resume_path} at step {start_step}")
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    # A resumed run appends, so one file holds the whole history; a fresh run starts it anew.
+    metrics_file = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a" if resume_path else "w") if rank == 0 else None
+    if rank == 0:
+        _say(f"{cfg.model}: {sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M params, {world} rank(s) "
+             f"on {device.type}, {precision.name}, {len(train_tokens)} train / {len(eval_tokens)} eval pairs, "
+             f"{total_steps} steps x {cfg.batch_size} pairs ({accum} accumulation steps)")
+        if not eval_tokens:
+            _say("no --eval-data: evaluation skipped")
+
+    def log(row: dict) -> None:
+        if metrics_file:
+            metrics_file.write(json.dumps(row) + "\n")
+            metrics_file.flush()
+
+    def run_eval(step: int) -> dict | None:
+        if not eval_tokens:
+            return None
+        m = evaluate(policy, reference, eval_tokens, cfg, rank, world, device, pad_id)
+        log({"step": step, "split": "eval", **m, "elapsed_s": time.perf_counter() - t0})
+        return m
+
+    # -- loop
+    t0 = time.perf_counter()
+    scaler = precision.scaler
+    batches, epoch = [], -1
+    for step in range(start_step, total_steps):
+        if step // steps_per_epoch != epoch:  # the data order is a function of (seed, epoch) only
+            epoch = step // steps_per_epoch
+            batches = build_batches(len(train_tokens), cfg.batch_size, rank, world, cfg.seed, epoch)
+        step_t0 = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = get_lr(step, lr, cfg.warmup_steps, total_steps)
+        mine = batches[step % steps_per_epoch]
+        sums = torch.zeros(len(_SUMMED) + 1, device=device)
+        for micro in range(accum):
+            idx = mine[micro * cfg.micro_batch_size:(micro + 1) * cfg.micro_batch_size]
+            batch = {k: v.to(device) for k, v in collate_pairs([train_tokens[i] for i in idx], pad_id).items()}
+            # Reduce-scatter gradients only once, after the last micro-batch.
+            policy.set_requires_gradient_sync(micro == accum - 1)
+            out = forward_pairs(policy, reference, batch, cfg.objective)
+            # Per-rank sum / per-rank batch; FSDP averages over ranks: the mean over the global batch.
+            loss = out["losses"].sum() / (cfg.batch_size // world)
+            (scaler.scale(loss) if scaler else loss).backward()
+            ones = torch.ones(len(idx), device=device)
+            sums += torch.cat([_pair_sums(out, ones), batch["attention_mask"].sum()[None]])
+        if scaler:
+            scaler.unscale_(optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm or math.inf)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        # The norm is reduced over all shards, so every rank takes the same decision here.
+        if torch.isfinite(grad_norm):
+            scaler.step(optimizer) if scaler else optimizer.step()
+            if scaler:
+                scaler.update()
+        else:
+            if rank == 0:
+                _say(f"step {step + 1}: non-finite gradient norm, step skipped")
+            if scaler:
+                scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(sums)  # one collective per step for all metrics
+        dt = time.perf_counter() - step_t0
+        m = _means(sums[:-1], cfg.batch_size)
+        m.update({"grad_norm": grad_norm.item(), "lr": optimizer.param_groups[0]["lr"],
+                  "tokens_per_s": sums[-1].item() / dt, "pairs_per_s": cfg.batch_size / dt,
+                  "elapsed_s": time.perf_counter() - t0})
+        if scaler:
+            m["loss_scale"] = scaler.get_scale()
+        log({"step": step + 1, "split": "train", **m})
+        if rank == 0:
+            _progress(step + 1, total_steps, m)
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total_steps:
+            e = run_eval(step + 1)
+            if rank == 0 and e:
+                _say(f"eval step {step + 1}: loss {e['loss']:.4f} acc {e['rewards/accuracies']:.3f} "
+                     f"margin {e['rewards/margins']:.3f}")
+        if cfg.save_every and (step + 1) % cfg.save_every == 0:
+            save_checkpoint(os.path.join(cfg.out_dir, "checkpoints"), step + 1, policy, optimizer,
+                            {"step": step + 1, "config": asdict(cfg)})
+
+    # -- final evaluation and export
+    e = run_eval(total_steps)
+    state = gather_full_state_dict(policy)
+    if rank == 0:
+        if e:
+            _say(f"final eval ({len(eval_tokens)} pairs): loss {e['loss']:.4f} reward accuracy "
+                 f"{e['rewards/accuracies']:.3f} margin {e['rewards/margins']:.3f}")
+        final = os.path.join(cfg.out_dir, "final")
+        policy.save_pretrained(final, state_dict=state)
+        tokenizer.save_pretrained(final)
+        with open(os.path.join(final, "train_config.json"), "w") as f:
+            json.dump(asdict(cfg), f, indent=2)
+        metrics_file.close()
+        _say(f"saved {final}")
+    close_distributed()
+
+
+if __name__ == "__main__":
+    main()
