@@ -111,14 +111,14 @@ def load_model(name: str, seed: int):
 def forward_pairs(policy, reference, batch: dict, objective: LossConfig) -> dict:
     """Per-pair losses, rewards and policy log-probs for one (2B, T) batch of [chosen; rejected] rows."""
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
-    logits = policy(**inputs).logits  # (2B, T, V) in the compute dtype
-    logps = sequence_logps(logits, batch["labels"], average=objective.average_logps)  # (2B,) float32
-    chosen, rejected = logps.chunk(2)
     ref_chosen = ref_rejected = None
-    if reference is not None:
+    if reference is not None:  # first, so its logits are freed before the policy's activations exist
         with torch.no_grad():
             ref_logps = sequence_logps(reference(**inputs).logits, batch["labels"], objective.average_logps)
         ref_chosen, ref_rejected = ref_logps.chunk(2)
+    logits = policy(**inputs).logits  # (2B, T, V) in the compute dtype
+    logps = sequence_logps(logits, batch["labels"], average=objective.average_logps)  # (2B,) float32
+    chosen, rejected = logps.chunk(2)
     losses, chosen_rewards, rejected_rewards = preference_loss(
         chosen, rejected, ref_chosen, ref_rejected, loss_type=objective.loss, beta=objective.beta,
         label_smoothing=objective.label_smoothing, simpo_gamma=objective.simpo_gamma)
