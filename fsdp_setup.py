@@ -2,19 +2,33 @@
 
 Copyable on its own: imports only the standard library and torch.
 
-    rank, world, device = init_distributed()   # torchrun's env, or a world of one
-    apply_fsdp(model, mp_policy)                # each transformer block, then the root
-    state = gather_full_state_dict(model)       # full float32 weights on rank 0, {} elsewhere
+    rank, world, device = init_distributed()        # torchrun's env, or a world of one
+    with torch.device("meta"):
+        model = build_model()                        # no memory on any rank
+    apply_ac(model)                                  # optional; always before apply_fsdp
+    apply_fsdp(model, mp_policy)                     # each transformer block, then the root
+    load_from_rank0(model, full_model_or_None, device)   # only rank 0 ever holds the full weights
+    state = gather_full_state_dict(model)            # full float32 weights on rank 0, {} elsewhere
 """
 
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed._composable import checkpoint
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+@dataclass
+class FSDPConfig:
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward (non-reentrant): less memory, ~1/3 more compute."""
+    reshard_after_forward: bool = True
+    """Free each block's gathered parameters after forward and gather again in backward (ZeRO-3); off is ZeRO-2."""
 
 
 def init_distributed(timeout_s: int = 1800) -> tuple[int, int, torch.device]:
@@ -26,16 +40,13 @@ def init_distributed(timeout_s: int = 1800) -> tuple[int, int, torch.device]:
     """
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
     if "RANK" in os.environ:
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-        if cuda:
-            torch.cuda.set_device(device)
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device if cuda else None)
     else:
-        device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-        if cuda:
-            torch.cuda.set_device(device)
         # A HashStore needs no free port, so two single-process runs on one machine never collide.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return dist.get_rank(), dist.get_world_size(), device
@@ -60,7 +71,20 @@ def find_block_class(model: nn.Module) -> type[nn.Module]:
     if lists:
         return type(max(lists, key=len)[0])
     raise ValueError(f"no transformer block class found in {type(model).__name__}: it has no _no_split_modules "
-                     "and no ModuleList of repeated layers to shard")
+                     "and no ModuleList of repeated layers to shard or checkpoint")
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    block_class = find_block_class(model)
+    return [m for m in model.modules() if isinstance(m, block_class)]
+
+
+def apply_ac(model: nn.Module) -> None:
+    """Non-reentrant activation checkpointing on each transformer block, in place (module names and
+    state-dict keys are unchanged). Order: activation checkpointing, then (compile, then) apply_fsdp, so
+    the recomputation in backward re-gathers each block's parameters through FSDP's hooks."""
+    for block in _blocks(model):
+        checkpoint(block)
 
 
 def apply_fsdp(model: nn.Module, mp_policy: MixedPrecisionPolicy, frozen: bool = False,
@@ -73,13 +97,28 @@ def apply_fsdp(model: nn.Module, mp_policy: MixedPrecisionPolicy, frozen: bool =
     """
     if frozen:
         model.requires_grad_(False).eval()
-    block_class = find_block_class(model)
-    blocks = [m for m in model.modules() if isinstance(m, block_class)]
-    for block in blocks:
+    for block in _blocks(model):
         fully_shard(block, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     # The root keeps FSDP2's default: it stays gathered after forward, as backward needs it at once.
     fully_shard(model, mp_policy=mp_policy)
     return model
+
+
+def load_from_rank0(model: nn.Module, full_model: nn.Module | None, device: torch.device) -> None:
+    """Materialise a sharded (meta-device) model on `device` and fill it from rank 0's full model.
+
+    Rank 0 passes its fully loaded CPU model; other ranks pass None and never hold more than one full
+    tensor at a time: each is broadcast, and every rank keeps only its shard.
+    """
+    model.to_empty(device=device)
+    state = full_model.state_dict() if full_model is not None else {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, state, options=options)
+    # Buffers are not sharded, and non-persistent ones (e.g. rotary inv_freq) are not in the state dict.
+    for name, buf in model.named_buffers():
+        if full_model is not None:
+            buf.copy_(full_model.get_buffer(name))
+        dist.broadcast(buf, src=0)
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

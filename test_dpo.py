@@ -17,9 +17,9 @@ import torch.nn.functional as F
 
 import train_dpo
 from data import DataError, build_batches, collate_pairs, load_pairs, tokenize_pairs
-from fsdp_setup import apply_fsdp, find_block_class, gather_full_state_dict
+from fsdp_setup import apply_ac, find_block_class, gather_full_state_dict
 from loss import preference_loss, sequence_logps
-from precision import resolve_precision
+from precision import PrecisionConfig, resolve_precision
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CPU = torch.device("cpu")
@@ -32,6 +32,12 @@ def world_of_one():
         yield
     finally:
         dist.destroy_process_group()
+
+
+def tiny(seed):
+    """The trainer's default model, built in full on CPU, with its tokenizer."""
+    config, tokenizer = train_dpo.load_model_config("tiny")
+    return train_dpo.load_full_model("tiny", config, seed), tokenizer
 
 
 def read_metrics(out_dir, split="train"):
@@ -124,7 +130,7 @@ def test_sequence_logps_values_and_gradients_match_naive_float32(dtype, average)
 
 
 def test_sequence_logps_matches_hugging_face_loss():
-    model, _ = train_dpo.build_tiny(seed=1)
+    model, _ = tiny(seed=1)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 200, (3, 20), generator=g)
     labels = ids.clone()
@@ -141,7 +147,7 @@ def test_sequence_logps_matches_hugging_face_loss():
 
 
 def test_prompt_and_padding_positions_never_count():
-    _, tok = train_dpo.build_tiny(seed=0)
+    _, tok = tiny(seed=0)
     pairs = tokenize_pairs([{"prompt": "Rate it:", "chosen": " fine", "rejected": " no"},
                             {"prompt": "Q", "chosen": " a much longer answer", "rejected": " b"}], tok, 64, 32)
     batch = collate_pairs(pairs, pad_id=tok.pad_token_id)
@@ -167,7 +173,7 @@ def test_prompt_and_padding_positions_never_count():
 
 
 def test_step0_loss_is_ln2_and_rewards_zero():
-    policy, tok = train_dpo.build_tiny(seed=3)
+    policy, tok = tiny(seed=3)
     reference = copy.deepcopy(policy).eval()
     pairs = tokenize_pairs(load_pairs("demo")[:6], tok, 128, 64)
     out = train_dpo.forward_pairs(policy, reference, collate_pairs(pairs, tok.pad_token_id),
@@ -189,7 +195,7 @@ def _bos_tokenizer():
 
 
 def test_truncation_keeps_prompt_end_then_cuts_responses():
-    _, tok = train_dpo.build_tiny(seed=0)
+    _, tok = tiny(seed=0)
     ids = lambda s: [b + 3 for b in s.encode()]  # ByT5: one token per byte, offset by 3 specials
     eos = tok.eos_token_id
     fits, long_prompt, long_both = tokenize_pairs([
@@ -277,32 +283,99 @@ def test_bad_input_from_the_command_line_has_no_traceback(tmp_path):
 # ---------------------------------------------------------------------------------------------- precision, FSDP
 def test_precision_names_and_errors():
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        p = resolve_precision(name, CPU)
+        p = resolve_precision(PrecisionConfig(name), CPU)
         assert p.compute_dtype == dtype and p.mp_policy.param_dtype == dtype
         assert p.mp_policy.reduce_dtype == torch.float32 and (p.scaler is not None) == (name == "fp16")
-    assert resolve_precision("auto", CPU).name == "fp32"  # bf16 only on a CUDA device that supports it
+    assert resolve_precision(PrecisionConfig("auto"), CPU).name == "fp32"  # bf16 only on a CUDA device that supports it
     with pytest.raises(ValueError, match="fp32, bf16, fp16"):
-        resolve_precision("fp8", CPU)
+        resolve_precision(PrecisionConfig("fp8"), CPU)
 
 
-def test_fsdp_bf16_keeps_float32_masters_ties_embeddings_and_gathers_full_weights():
-    policy, tok = train_dpo.build_tiny(seed=4)
-    full = {k: v.clone() for k, v in policy.state_dict().items()}
-    reference = copy.deepcopy(policy)
+def test_reduce_dtype_flag():
+    assert resolve_precision(PrecisionConfig("bf16", reduce_dtype="bf16"), CPU).mp_policy.reduce_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="needs --precision bf16"):
+        resolve_precision(PrecisionConfig("fp32", reduce_dtype="bf16"), CPU)
+
+
+def sharded_tiny(seed, precision="fp32", frozen=False, **fsdp):
+    """The trainer's own path: meta-device model, sharded, filled from a full model held by rank 0."""
+    config, tok = train_dpo.load_model_config("tiny")
+    full = train_dpo.load_full_model("tiny", config, seed)
+    cfg = train_dpo.Config(fsdp=train_dpo.FSDPConfig(**fsdp))
+    model = train_dpo.build_sharded(config, full, cfg, resolve_precision(PrecisionConfig(precision), CPU), CPU, frozen)
+    return model, full, tok
+
+
+def test_meta_device_build_loads_rank0_weights_buffers_and_tie_exactly():
     with world_of_one():
-        mp = resolve_precision("bf16", CPU).mp_policy
-        apply_fsdp(policy, mp)
-        apply_fsdp(reference, mp, frozen=True)
-        assert policy.lm_head.weight is policy.model.embed_tokens.weight  # the tie survives sharding
+        model, full, tok = sharded_tiny(seed=7)
+        assert model.lm_head.weight is model.model.embed_tokens.weight  # the tie survives meta init and sharding
+        for name, buf in full.named_buffers():  # incl. non-persistent rotary inv_freq, absent from state dicts
+            torch.testing.assert_close(model.get_buffer(name), buf, rtol=0, atol=0)
+        batch = collate_pairs(tokenize_pairs(load_pairs("demo")[:3], tok, 64, 32), tok.pad_token_id)
+        with torch.no_grad():
+            inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+            torch.testing.assert_close(model(**inputs).logits, full(**inputs).logits, rtol=0, atol=0)
+        state = gather_full_state_dict(model)
+    for k, v in full.state_dict().items():
+        assert k == "lm_head.weight" or torch.equal(state[k], v), k
+
+
+def test_bf16_keeps_float32_masters_grads_optimizer_state_and_loss():
+    with world_of_one():
+        policy, _, tok = sharded_tiny(seed=4, precision="bf16")
+        reference, _, _ = sharded_tiny(seed=4, precision="bf16", frozen=True)
         assert all(p.dtype == torch.float32 and p.requires_grad for p in policy.parameters())
         assert not any(p.requires_grad for p in reference.parameters()) and not reference.training
         batch = collate_pairs(tokenize_pairs(load_pairs("demo")[:2], tok, 64, 32), tok.pad_token_id)
         logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        assert logits.dtype == torch.bfloat16 and sequence_logps(logits, batch["labels"]).dtype == torch.float32
-        state = gather_full_state_dict(policy)
-    assert set(state) >= set(full) - {"lm_head.weight"}
-    for k, v in state.items():
-        assert v.dtype == torch.float32 and torch.equal(v, full[k]), k
+        assert logits.dtype == torch.bfloat16
+        out = train_dpo.forward_pairs(policy, reference, batch, train_dpo.LossConfig())
+        assert all(v.dtype == torch.float32 for v in out.values())
+        loss = out["losses"].mean() - out["chosen_logps"].sum() * 0  # the loss itself is float32
+        (loss - train_dpo.sequence_logps(logits, batch["labels"]).mean()).backward()
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+        optimizer.step()
+        assert all(p.grad.dtype == torch.float32 for p in policy.parameters())
+        states = [t for st in optimizer.state.values() for k, t in st.items() if k != "step"]
+        assert len(states) == 2 * len(list(policy.parameters())) and all(t.dtype == torch.float32 for t in states)
+
+
+def test_activation_checkpointing_and_resharding_change_memory_not_math():
+    results = []
+    for fsdp in ({}, {"activation_checkpointing": True}, {"reshard_after_forward": False}):
+        with world_of_one():
+            model, _, tok = sharded_tiny(seed=6, **fsdp)
+            counts = {"mlp": 0, "saved": 0}
+
+            def counted(forward):
+                def wrapper(*args, **kwargs):
+                    counts["mlp"] += 1
+                    return forward(*args, **kwargs)
+                return wrapper
+            for layer in model.model.layers:
+                layer.mlp.forward = counted(layer.mlp.forward)
+            batch = collate_pairs(tokenize_pairs(load_pairs("demo")[:2], tok, 64, 32), tok.pad_token_id)
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: counts.__setitem__("saved", counts["saved"] + 1) or t,
+                                                          lambda t: t):
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            logps = sequence_logps(logits, batch["labels"])
+            logps.sum().backward()
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            results.append((logps.detach(), grads, counts))
+    layers = len(model.model.layers)
+    # Checkpointing runs every block's forward again in backward, and keeps far fewer tensors for it.
+    assert [r[2]["mlp"] for r in results] == [layers, 2 * layers, layers]
+    assert results[1][2]["saved"] < results[0][2]["saved"] / 4
+    for logps, grads, _ in results[1:]:
+        torch.testing.assert_close(logps, results[0][0], rtol=0, atol=0)
+        for n, g in grads.items():
+            torch.testing.assert_close(g, results[0][1][n], rtol=1e-6, atol=1e-7)
+
+
+def test_activation_checkpointing_fails_loudly_without_blocks():
+    with pytest.raises(ValueError, match="no transformer block"):
+        apply_ac(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()))
 
 
 def test_find_block_class_without_no_split_modules():
@@ -337,7 +410,7 @@ def test_tiny_run_learns_the_preference_and_exports_a_loadable_model(tmp_path):
     assert json.load(open(os.path.join(final, "train_config.json")))["lr"] == 1e-3
     # Independent check of the export: score the held-out set with the loaded model against a freshly
     # built reference; it must reproduce the logged final evaluation.
-    reference, _ = train_dpo.build_tiny(seed=0)
+    reference, _ = tiny(seed=0)
     pairs = tokenize_pairs(load_pairs("demo:eval"), tok, 512, 256)
     with torch.no_grad():
         out_pairs = train_dpo.forward_pairs(model.eval(), reference.eval(), collate_pairs(pairs, tok.pad_token_id),
@@ -367,17 +440,91 @@ def test_resume_from_checkpoint_continues_identically(tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_two_rank_torchrun_matches_one_rank(tmp_path):
-    one = run(tmp_path, "one", "--max-steps", "3", "--micro-batch-size", "8")
-    proc = torchrun(2, str(tmp_path / "two"), "--max-steps", "3", "--micro-batch-size", "4")
+@pytest.mark.parametrize("micro", [8, 2])  # per rank: no accumulation, and 4 accumulation steps
+def test_two_rank_torchrun_matches_one_rank(tmp_path, micro):
+    one = run(tmp_path, "one", "--max-steps", "3")
+    proc = torchrun(2, str(tmp_path / "two"), "--max-steps", "3", "--micro-batch-size", str(micro))
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = str(tmp_path / "two")
-    for x, y in zip(read_metrics(one), read_metrics(two), strict=True):
-        assert x["loss"] == pytest.approx(y["loss"], rel=1e-4)
-    assert read_metrics(one, "eval")[0]["loss"] == pytest.approx(read_metrics(two, "eval")[0]["loss"], rel=1e-4)
+    for split in ("train", "eval"):
+        for x, y in zip(read_metrics(one, split), read_metrics(two, split), strict=True):
+            for key in train_dpo._SUMMED:
+                assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), (split, x["step"], key)
     wa, wb = load_safetensors(os.path.join(one, "final")), load_safetensors(os.path.join(two, "final"))
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-5)
+
+
+INJECT = """
+import json, os, sys
+import torch
+import train_dpo
+rank, record, unscale = int(os.environ["RANK"]), [], torch.amp.GradScaler.unscale_
+
+def unscale_(self, optimizer):
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    record.append({"scale": self.get_scale(), "checksum": sum(p.to_local().double().sum().item() for p in params)})
+    if len(record) == 3 and rank == 1:  # an overflow in rank 1's gradient shard only, at step 3
+        next(p.grad for p in params if p.grad.to_local().numel()).to_local().view(-1)[0] = float("inf")
+    return unscale(self, optimizer)
+
+torch.amp.GradScaler.unscale_ = unscale_
+try:
+    train_dpo.main(sys.argv[1:])
+finally:
+    json.dump(record, open(os.path.join(os.environ["RECORD_DIR"], f"record-{rank}.json"), "w"))
+"""
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    script = tmp_path / "inject.py"
+    script.write_text(INJECT)
+    out = tmp_path / "fp16"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           "--out-dir", str(out), "--batch-size", "8", "--max-steps", "4", "--precision", "fp16", "--warmup-steps", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RECORD_DIR": str(tmp_path), "PYTHONPATH": HERE}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.load(open(tmp_path / f"record-{r}.json")) for r in range(2)]
+    rows = read_metrics(out)
+    # (fp16 from the default 2**16 scale overflows naturally at step 1; step 2 is a normal step.)
+    assert [r["skipped"] for r in rows][1:] == [False, True, False]
+    scales = [r["scale"] for r in records[0]]
+    assert scales == [r["scale"] for r in records[1]] and scales[3] == scales[2] / 2  # both ranks back off
+    assert rows[2]["loss_scale"] == scales[2] / 2
+    for record in records:
+        assert record[1]["checksum"] != record[2]["checksum"]  # step 2 updated this rank's shard ...
+        assert record[2]["checksum"] == record[3]["checksum"]  # ... step 3 did not, on either rank
+    assert "step 3: non-finite loss or gradient norm, step skipped on every rank" in proc.stderr
+
+
+def _poison(monkeypatch, bad_calls):
+    """Make the trainer's forward return NaN losses on the given (1-based) training forward calls."""
+    real, calls = train_dpo.forward_pairs, [0]
+
+    def forward_pairs(policy, *args, **kwargs):
+        out = real(policy, *args, **kwargs)
+        if policy.training:
+            calls[0] += 1
+            if calls[0] in bad_calls:
+                out["losses"] = out["losses"] * float("nan")
+        return out
+    monkeypatch.setattr(train_dpo, "forward_pairs", forward_pairs)
+
+
+def test_nan_loss_skips_the_step_and_repeated_nans_stop_the_run(tmp_path, monkeypatch, capsys):
+    one_step = run(tmp_path, "one", "--max-steps", "1")
+    _poison(monkeypatch, bad_calls={2})
+    poisoned = run(tmp_path, "poisoned", "--max-steps", "2")
+    assert [r["skipped"] for r in read_metrics(poisoned)] == [False, True]
+    wa, wb = load_safetensors(os.path.join(one_step, "final")), load_safetensors(os.path.join(poisoned, "final"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)  # the NaN step changed nothing
+    _poison(monkeypatch, bad_calls=set(range(2, 100)))
+    with pytest.raises(SystemExit) as exit_info:
+        run(tmp_path, "stopped", "--max-steps", "10", "--max-skipped-steps", "3")
+    assert exit_info.value.code == 1
+    assert "error: stopping at step 4: 3 consecutive steps since step 2 had a non-finite" in capsys.readouterr().err
+    assert not (tmp_path / "stopped" / "final").exists()
 
 
 # ---------------------------------------------------------------------------------------------- copyability

@@ -6,8 +6,8 @@
 Reads top to bottom: config, distributed, precision, data, models, optimizer, loop, save.
 """
 
-import copy
 import json
+import resource
 import math
 import os
 import sys
@@ -22,9 +22,10 @@ import tyro
 
 from checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from data import DataConfig, DataError, build_batches, collate_pairs, load_pairs, tokenize_pairs
-from fsdp_setup import apply_fsdp, close_distributed, gather_full_state_dict, init_distributed
+from fsdp_setup import (FSDPConfig, apply_ac, apply_fsdp, close_distributed, gather_full_state_dict,
+                        init_distributed, load_from_rank0)
 from loss import LossConfig, preference_loss, sequence_logps
-from precision import PrecisionName, resolve_precision
+from precision import PrecisionConfig, resolve_precision
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -34,8 +35,8 @@ class Config:
     """Hub id, local folder, or "tiny" (random-init Llama, byte tokenizer, no download). Reference: a frozen copy."""
     dataset: Annotated[DataConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=DataConfig)
     objective: Annotated[LossConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=LossConfig)
-    precision: PrecisionName = "auto"
-    """Compute precision; master weights, gradient reduction and optimizer state stay float32."""
+    mixed_precision: Annotated[PrecisionConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=PrecisionConfig)
+    fsdp: Annotated[FSDPConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=FSDPConfig)
     ref: Literal["online"] = "online"
     """How reference log-probs are obtained: online runs the frozen reference model on every batch."""
     batch_size: int = 32
@@ -54,6 +55,8 @@ class Config:
     """Passes over the training data, when --max-steps is 0."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
+    max_skipped_steps: int = 5
+    """Stop after this many consecutive steps with a non-finite loss or gradient norm (each skipped on all ranks)."""
     out_dir: str = "runs/dpo"
     """Where metrics.jsonl, checkpoints/ and final/ (the Hugging Face export) go."""
     eval_every: int = 0
@@ -67,7 +70,7 @@ class Config:
 
     def validate(self, world_size: int) -> int:
         """Check the settings against the world size; return the gradient accumulation steps."""
-        for name in ("batch_size", "epochs"):
+        for name in ("batch_size", "epochs", "max_skipped_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("max_steps", "warmup_steps", "eval_every", "save_every", "max_grad_norm", "weight_decay"):
@@ -81,30 +84,48 @@ class Config:
         return self.batch_size // (micro * world_size)
 
 
-def build_tiny(seed: int):
-    """A ~1M-parameter Llama and ByT5's byte tokenizer: trains on a laptop CPU, needs no files."""
-    from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
-    tokenizer = ByT5Tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
-                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config), tokenizer
-
-
-def load_model(name: str, seed: int):
-    """(model in float32, tokenizer) for "tiny", a hub id or a local folder."""
-    if name == "tiny":
-        return build_tiny(seed)
+def load_model_config(name: str):
+    """(config, tokenizer) for "tiny", a hub id or a local folder: small files, read on every rank."""
+    if name == "tiny":  # a ~1M-parameter Llama and ByT5's byte tokenizer: trains on a laptop CPU, needs no files
+        tokenizer = transformers.ByT5Tokenizer()
+        config = transformers.LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=True,
+            bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        return config, tokenizer
     if name.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(name)):
         raise ValueError(f"--model {name}: no such folder")
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(name)
-        model = transformers.AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+        return transformers.AutoConfig.from_pretrained(name), transformers.AutoTokenizer.from_pretrained(name)
     except OSError as e:
         raise ValueError(f"--model {name}: cannot load ({str(e).strip().splitlines()[0]})") from None
-    return model, tokenizer
+
+
+def load_full_model(name: str, config, seed: int):
+    """The whole float32 model on CPU: pretrained weights, or for "tiny" a random init from `seed`."""
+    if name == "tiny":
+        torch.manual_seed(seed)
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return transformers.AutoModelForCausalLM.from_pretrained(name, config=config, dtype=torch.float32)
+
+
+def build_sharded(config, full_model, cfg: Config, precision, device, frozen: bool = False):
+    """Build on the meta device (no memory), checkpoint and shard, then fill from rank 0's `full_model`."""
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if cfg.fsdp.activation_checkpointing and not frozen:
+        apply_ac(model)
+    apply_fsdp(model, precision.mp_policy, frozen=frozen, reshard_after_forward=cfg.fsdp.reshard_after_forward)
+    load_from_rank0(model, full_model, device)
+    return model
+
+
+def _peak_rss_gb(world: int) -> list[float]:
+    """Every rank's peak host memory (max RSS) so far, in GB."""
+    rss = torch.zeros(world)
+    rss[dist.get_rank()] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    dist.all_reduce(rss)
+    return rss.tolist()
 
 
 # ---------------------------------------------------------------------------------------------- the step
@@ -204,10 +225,10 @@ def main(argv: list[str] | None = None) -> None:
     rank, world, device = init_distributed()
     try:
         accum = cfg.validate(world)
-        precision = resolve_precision(cfg.precision, device)
+        precision = resolve_precision(cfg.mixed_precision, device)
         # -- data
-        policy, tokenizer = load_model(cfg.model, cfg.seed)
-        max_positions = getattr(policy.config, "max_position_embeddings", None)
+        config, tokenizer = load_model_config(cfg.model)
+        max_positions = getattr(config, "max_position_embeddings", None)
         if max_positions and cfg.dataset.max_length > max_positions:
             raise ValueError(f"--max-length {cfg.dataset.max_length} exceeds the model's {max_positions} positions")
         lengths = (cfg.dataset.max_length, cfg.dataset.max_prompt_length)
@@ -227,12 +248,14 @@ def main(argv: list[str] | None = None) -> None:
     total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
     cfg.lr = lr = cfg.lr if cfg.lr is not None else (1e-3 if cfg.model == "tiny" else 5e-7)
 
-    # -- models: the reference is a frozen copy, sharded the same way
-    reference = None if cfg.objective.reference_free else copy.deepcopy(policy)
-    apply_fsdp(policy, precision.mp_policy)
-    if reference is not None:
-        apply_fsdp(reference, precision.mp_policy, frozen=True)
-    policy.train()
+    # -- models: only rank 0 loads the full weights; the reference is a frozen copy, sharded the same way
+    full_model = load_full_model(cfg.model, config, cfg.seed) if rank == 0 else None
+    policy = build_sharded(config, full_model, cfg, precision, device).train()
+    reference = None
+    if not cfg.objective.reference_free:
+        reference = build_sharded(config, full_model, cfg, precision, device, frozen=True)
+    del full_model
+    rss = _peak_rss_gb(world)
 
     # -- optimizer: AdamW over the float32 sharded master weights
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=cfg.weight_decay)
@@ -248,6 +271,7 @@ def main(argv: list[str] | None = None) -> None:
         _say(f"{cfg.model}: {sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M params, {world} rank(s) "
              f"on {device.type}, {precision.name}, {len(train_tokens)} train / {len(eval_tokens)} eval pairs, "
              f"{total_steps} steps x {cfg.batch_size} pairs ({accum} accumulation steps)")
+        _say("peak host memory after loading, GB by rank: " + " ".join(f"{x:.2f}" for x in rss))
         if not eval_tokens:
             _say("no --eval-data: evaluation skipped")
 
@@ -266,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     # -- loop
     t0 = time.perf_counter()
     scaler = precision.scaler
-    batches, epoch = [], -1
+    batches, epoch, bad_steps = [], -1, 0
     for step in range(start_step, total_steps):
         if step // steps_per_epoch != epoch:  # the data order is a function of (seed, epoch) only
             epoch = step // steps_per_epoch
@@ -291,26 +315,34 @@ def main(argv: list[str] | None = None) -> None:
             scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm or math.inf)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        # The norm is reduced over all shards, so every rank takes the same decision here.
-        if torch.isfinite(grad_norm):
+        dist.all_reduce(sums)  # one collective per step for all metrics
+        # The norm and the summed loss are global, so every rank takes the same decision: a NaN or an fp16
+        # overflow on any one rank skips the step everywhere, in every precision.
+        skipped = not bool(torch.isfinite(grad_norm) & torch.isfinite(sums[0]))
+        if not skipped:
             scaler.step(optimizer) if scaler else optimizer.step()
             if scaler:
                 scaler.update()
-        else:
-            if rank == 0:
-                _say(f"step {step + 1}: non-finite gradient norm, step skipped")
-            if scaler:
-                scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
+        elif scaler:
+            scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
         optimizer.zero_grad(set_to_none=True)
-        dist.all_reduce(sums)  # one collective per step for all metrics
+        bad_steps = bad_steps + 1 if skipped else 0
         dt = time.perf_counter() - step_t0
         m = _means(sums[:-1], cfg.batch_size)
         m.update({"grad_norm": grad_norm.item(), "lr": optimizer.param_groups[0]["lr"],
                   "tokens_per_s": sums[-1].item() / dt, "pairs_per_s": cfg.batch_size / dt,
-                  "elapsed_s": time.perf_counter() - t0})
+                  "elapsed_s": time.perf_counter() - t0, "skipped": skipped})
         if scaler:
             m["loss_scale"] = scaler.get_scale()
         log({"step": step + 1, "split": "train", **m})
+        if skipped and rank == 0:
+            _say(f"step {step + 1}: non-finite loss or gradient norm, step skipped on every rank")
+        if bad_steps >= cfg.max_skipped_steps:
+            if rank == 0:
+                print(f"error: stopping at step {step + 1}: {bad_steps} consecutive steps since step "
+                      f"{step + 2 - bad_steps} had a non-finite loss or gradient norm", file=sys.stderr)
+            dist.destroy_process_group()
+            sys.exit(1)
         if rank == 0:
             _progress(step + 1, total_steps, m)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total_steps:
