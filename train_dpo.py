@@ -191,8 +191,9 @@ def get_lr(step: int, peak: float, warmup: int, total: int) -> float:
 
 
 def _say(msg: str) -> None:
-    """A message on stderr that does not collide with the progress bar on a terminal."""
-    print(("\r\033[K" if sys.stderr.isatty() else "") + msg, file=sys.stderr, flush=True)
+    """Rank 0 prints `msg` on stderr, clearing the progress bar's line on a terminal."""
+    if (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))) == 0:
+        print(("\r\033[K" if sys.stderr.isatty() else "") + msg, file=sys.stderr, flush=True)
 
 
 def _progress(step: int, total: int, m: dict) -> None:
@@ -208,7 +209,6 @@ def _progress(step: int, total: int, m: dict) -> None:
 
 # ---------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> None:
-    rank_env = int(os.environ.get("RANK", 0))
     transformers.utils.logging.disable_progress_bar()
     try:
         cfg = tyro.cli(Config, args=argv)
@@ -217,8 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         eval_spec = cfg.dataset.eval_data or ("demo:eval" if cfg.dataset.data == "demo" else None)
         eval_pairs = load_pairs(eval_spec) if eval_spec else []
     except ValueError as e:
-        if rank_env == 0:
-            print(f"error: {e}", file=sys.stderr)
+        _say(f"error: {e}")
         sys.exit(2)
 
     # -- distributed, precision
@@ -240,8 +239,7 @@ def main(argv: list[str] | None = None) -> None:
                              f"({cfg.batch_size})")
         resume_path = find_checkpoint(os.path.join(cfg.out_dir, "checkpoints"), cfg.resume) if cfg.resume else None
     except ValueError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
+        _say(f"error: {e}")
         dist.destroy_process_group()
         sys.exit(2)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -262,18 +260,16 @@ def main(argv: list[str] | None = None) -> None:
     start_step = 0
     if resume_path:
         start_step = load_checkpoint(resume_path, policy, optimizer)["step"]
-        if rank == 0:
-            _say(f"resumed from {resume_path} at step {start_step}")
+        _say(f"resumed from {resume_path} at step {start_step}")
     os.makedirs(cfg.out_dir, exist_ok=True)
     # A resumed run appends, so one file holds the whole history; a fresh run starts it anew.
     metrics_file = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a" if resume_path else "w") if rank == 0 else None
-    if rank == 0:
-        _say(f"{cfg.model}: {sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M params, {world} rank(s) "
-             f"on {device.type}, {precision.name}, {len(train_tokens)} train / {len(eval_tokens)} eval pairs, "
-             f"{total_steps} steps x {cfg.batch_size} pairs ({accum} accumulation steps)")
-        _say("peak host memory after loading, GB by rank: " + " ".join(f"{x:.2f}" for x in rss))
-        if not eval_tokens:
-            _say("no --eval-data: evaluation skipped")
+    _say(f"{cfg.model}: {sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M params, {world} rank(s) "
+         f"on {device.type}, {precision.name}, {len(train_tokens)} train / {len(eval_tokens)} eval pairs, "
+         f"{total_steps} steps x {cfg.batch_size} pairs ({accum} accumulation steps)")
+    _say("peak host memory after loading, GB by rank: " + " ".join(f"{x:.2f}" for x in rss))
+    if not eval_tokens:
+        _say("no --eval-data: evaluation skipped")
 
     def log(row: dict) -> None:
         if metrics_file:
@@ -335,19 +331,18 @@ def main(argv: list[str] | None = None) -> None:
         if scaler:
             m["loss_scale"] = scaler.get_scale()
         log({"step": step + 1, "split": "train", **m})
-        if skipped and rank == 0:
+        if skipped:
             _say(f"step {step + 1}: non-finite loss or gradient norm, step skipped on every rank")
         if bad_steps >= cfg.max_skipped_steps:
-            if rank == 0:
-                print(f"error: stopping at step {step + 1}: {bad_steps} consecutive steps since step "
-                      f"{step + 2 - bad_steps} had a non-finite loss or gradient norm", file=sys.stderr)
+            _say(f"error: stopping at step {step + 1}: {bad_steps} consecutive steps since step "
+                 f"{step + 2 - bad_steps} had a non-finite loss or gradient norm")
             dist.destroy_process_group()
             sys.exit(1)
         if rank == 0:
             _progress(step + 1, total_steps, m)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total_steps:
             e = run_eval(step + 1)
-            if rank == 0 and e:
+            if e:
                 _say(f"eval step {step + 1}: loss {e['loss']:.4f} acc {e['rewards/accuracies']:.3f} "
                      f"margin {e['rewards/margins']:.3f}")
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
@@ -356,8 +351,10 @@ def main(argv: list[str] | None = None) -> None:
 
     # -- final evaluation and export
     e = run_eval(total_steps)
+    rss = _peak_rss_gb(world)
     state = gather_full_state_dict(policy)
     if rank == 0:
+        _say("peak host memory during training, GB by rank: " + " ".join(f"{x:.2f}" for x in rss))
         if e:
             _say(f"final eval ({len(eval_tokens)} pairs): loss {e['loss']:.4f} reward accuracy "
                  f"{e['rewards/accuracies']:.3f} margin {e['rewards/margins']:.3f}")
