@@ -2,49 +2,73 @@
 
 Copyable on its own: imports only the standard library and torch.
 
-    save_checkpoint(root, step, model, optimizer, {"step": step, ...})   # root/step-N, root/latest
-    path = find_checkpoint(root, "latest")                                 # or an explicit step-N path
-    extra = load_checkpoint(path, model, optimizer)
+    save_checkpoint(root, step, model, optimizer, {"step": step, ...}, keep_last=3)  # root/step-N, root/latest
+    path = find_checkpoint(root, "latest")                 # or an explicit step-N folder
+    state = read_trainer_state(path)                       # the saved extra, cheap: before building models
+    check_same_run(state, {"config": config}, fixed={"model": "--model", "batch_size": "--batch-size"})
+    load_checkpoint(path, model, optimizer)                # any world size: DCP reshards on load
+    stop = StopRequest()                                   # SIGTERM/SIGINT: finish the step, save, exit
+
+A checkpoint folder holds the model and optimizer shards (DCP), trainer_state.json (the caller's extra plus
+the world size) and rng-rank{r}.pt per rank (torch CPU and CUDA, and Python generator states).
 """
 
 import json
 import os
+import random
+import re
 import shutil
+import signal
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
-_EXTRA = "trainer_state.json"
+_STATE = "trainer_state.json"
 
 
-def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: Optimizer, extra: dict) -> str:
-    """Write model and optimizer shards plus `extra` (JSON) to root/step-{step}; point root/latest at it.
+def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: Optimizer, extra: dict,
+                    keep_last: int = 0) -> str:
+    """Write root/step-{step} and point root/latest at it; keep only the newest keep_last (0: all).
 
-    The shards go to a temporary folder that is renamed only once complete, and `latest` moves last, so
-    a run killed mid-save still resumes from the previous checkpoint. Collective: call on every rank.
+    Everything goes to step-N.tmp, which is renamed once complete; `latest` moves last. A run killed
+    mid-save therefore still resumes from the previous checkpoint. Collective: call on every rank.
     """
     path = os.path.join(root, f"step-{step}")
     tmp = path + ".tmp"
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an earlier killed save
         os.makedirs(root, exist_ok=True)
     dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
+           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    torch.save(rng, os.path.join(tmp, f"rng-rank{rank}.pt"))
+    dist.barrier()  # every rank's part is on disk
     if rank == 0:
-        with open(os.path.join(tmp, _EXTRA), "w") as f:
-            json.dump(extra, f, indent=2)
+        with open(os.path.join(tmp, _STATE), "w") as f:
+            json.dump({**extra, "world_size": world}, f, indent=2)
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
         with open(os.path.join(root, "latest.tmp"), "w") as f:
             f.write(os.path.basename(path))
         os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+        if keep_last:
+            for old in _checkpoints(root)[:-keep_last]:
+                shutil.rmtree(os.path.join(root, old))
     dist.barrier()
     return path
+
+
+def _checkpoints(root: str) -> list[str]:
+    """Complete step-N folders under root, oldest first."""
+    names = [n for n in os.listdir(root) if re.fullmatch(r"step-\d+", n)]
+    return sorted(names, key=lambda n: int(n.split("-")[1]))
 
 
 def find_checkpoint(root: str, spec: str) -> str:
@@ -55,16 +79,69 @@ def find_checkpoint(root: str, spec: str) -> str:
             raise ValueError(f"--resume latest: {pointer} does not exist (no checkpoint saved yet)")
         with open(pointer) as f:
             spec = os.path.join(root, f.read().strip())
-    if not os.path.isfile(os.path.join(spec, _EXTRA)):
-        raise ValueError(f"--resume {spec}: not a checkpoint folder (no {_EXTRA})")
+    if not os.path.isfile(os.path.join(spec, _STATE)):
+        raise ValueError(f"--resume {spec}: not a complete checkpoint folder (no {_STATE})")
     return spec
 
 
-def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizer) -> dict:
-    """Load shards from `path` into the (already sharded) model and optimizer; return the saved extra."""
+def read_trainer_state(path: str) -> dict:
+    """The extra dict saved with the checkpoint, plus "world_size"."""
+    with open(os.path.join(path, _STATE)) as f:
+        return json.load(f)
+
+
+def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizer) -> bool:
+    """Load shards from `path` into the (already sharded) model and optimizer, resharding as needed.
+
+    Restores this rank's RNG states when the world size is unchanged (returns True); a different world
+    size has no one-to-one mapping of ranks, so the generators are left as they are (returns False).
+    """
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    with open(os.path.join(path, _EXTRA)) as f:
-        return json.load(f)
+    if read_trainer_state(path)["world_size"] != dist.get_world_size():
+        return False
+    rng = torch.load(os.path.join(path, f"rng-rank{dist.get_rank()}.pt"), weights_only=True)
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if rng["cuda"]:
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return True
+
+
+def check_same_run(saved: dict, current: dict, fixed: dict[str, str]) -> None:
+    """Refuse to resume when a setting differs. `fixed` maps a leaf name in the (possibly nested) saved and
+    current dicts to how the user knows it, e.g. {"batch_size": "--batch-size"}."""
+    flat_saved, flat_current = _leaves(saved), _leaves(current)
+    short = lambda v: f"{v[:12]}..." if isinstance(v, str) and len(v) > 40 else repr(v)
+    for key, label in fixed.items():
+        if flat_saved.get(key) != flat_current.get(key):
+            raise ValueError(f"--resume: {label} is {short(flat_current.get(key))} but the checkpoint was trained "
+                             f"with {short(flat_saved.get(key))}; these must match to resume: "
+                             f"{', '.join(fixed.values())}")
+
+
+def _leaves(config: dict) -> dict:
+    out = {}
+    for key, value in config.items():
+        out.update(_leaves(value) if isinstance(value, dict) else {key: value})
+    return out
+
+
+class StopRequest:
+    """Turn SIGTERM and SIGINT into a flag the training loop checks after each step; a second signal acts
+    as usual (so Ctrl-C twice still quits at once). `signum` is the signal received, 0 if none."""
+
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
+        self.signum = 0
+        self._previous = {s: signal.signal(s, self._handle) for s in signals}
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+        signal.signal(signum, self._previous[signum])
+
+    def restore(self) -> None:
+        """Put the previous handlers back."""
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)

@@ -52,13 +52,6 @@ def init_distributed(timeout_s: int = 1800) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def close_distributed() -> None:
-    """Wait for every rank, then tear the process group down (a rank leaving early aborts the others)."""
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 def find_block_class(model: nn.Module) -> type[nn.Module]:
     """The transformer block class: from the model's `_no_split_modules`, else the longest ModuleList of
     one repeated class (the decoder layer list). Raises ValueError when neither exists."""

@@ -7,8 +7,12 @@ import copy
 import json
 import math
 import os
+import random
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -430,29 +434,179 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-5)
 
 
-def test_resume_from_checkpoint_continues_identically(tmp_path):
-    full = run(tmp_path, "full", "--max-steps", "4", "--save-every", "2")
-    assert open(os.path.join(full, "checkpoints", "latest")).read() == "step-4"
-    resumed = run(tmp_path, "resumed", "--max-steps", "4", "--resume", os.path.join(full, "checkpoints", "step-2"))
-    assert [r["step"] for r in read_metrics(resumed)] == [3, 4]
-    assert [r["loss"] for r in read_metrics(resumed)] == [r["loss"] for r in read_metrics(full)[2:]]
-    wa, wb = load_safetensors(os.path.join(full, "final")), load_safetensors(os.path.join(resumed, "final"))
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+# ---------------------------------------------------------------------------------------------- checkpoints
+def _record_randomness(monkeypatch):
+    """Draw from torch's and Python's generators at every training forward; return the list of draws."""
+    real, draws = train_dpo.forward_pairs, []
+
+    def forward_pairs(policy, *args, **kwargs):
+        if policy.training:
+            draws.append((torch.rand(1).item(), random.random()))
+        return real(policy, *args, **kwargs)
+    monkeypatch.setattr(train_dpo, "forward_pairs", forward_pairs)
+    return draws
+
+
+@pytest.fixture(scope="module")
+def six_steps(tmp_path_factory):
+    """An uninterrupted 1-rank run of 6 steps, checkpointed every 2 and keeping the last 2."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        draws = _record_randomness(monkeypatch)
+        out = run(tmp_path_factory.mktemp("six"), "run", "--max-steps", "6", "--save-every", "2", "--keep-last", "2")
+    return out, draws
+
+
+def _assert_same_run(a, b, exact=True):
+    """Same per-step train and eval metrics and the same exported weights: bit for bit, or within 1e-4 / 1e-5."""
+    assert [r["step"] for r in read_metrics(a)] == list(range(1, len(read_metrics(a)) + 1))
+    for split in ("train", "eval"):
+        rows_a, rows_b = read_metrics(a, split), read_metrics(b, split)
+        assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b] and rows_a
+        for x, y in zip(rows_a, rows_b):
+            for key in train_dpo._SUMMED:
+                assert x[key] == (y[key] if exact else pytest.approx(y[key], rel=1e-4, abs=1e-6)), (split, x["step"], key)
+    wa, wb = load_safetensors(os.path.join(a, "final")), load_safetensors(os.path.join(b, "final"))
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0 if exact else 1e-5)
+
+
+def test_resume_is_bit_identical_with_model_optimizer_schedule_data_and_rng(six_steps, tmp_path, monkeypatch):
+    full, full_draws = six_steps
+    ckpts = os.path.join(full, "checkpoints")
+    assert sorted(os.listdir(ckpts)) == ["latest", "step-4", "step-6"]  # --keep-last 2 pruned step-2
+    assert open(os.path.join(ckpts, "latest")).read() == "step-6"
+    state = json.load(open(os.path.join(ckpts, "step-4", "trainer_state.json")))
+    assert state["data_position"] == {"epoch": 0, "pairs_consumed": 64} and state["schedule"]["total_steps"] == 6
+    assert state["config"]["batch_size"] == 16 and state["world_size"] == 1
+    out = tmp_path / "resumed"
+    out.mkdir()
+    shutil.copytree(ckpts, out / "checkpoints")
+    (out / "metrics.jsonl").write_text("".join(  # what the killed run had logged past its last checkpoint too
+        json.dumps(r) + "\n" for r in read_metrics(full)[:5]))
+    draws = _record_randomness(monkeypatch)
+    (out / "checkpoints" / "latest").write_text("step-4")
+    run(tmp_path, "resumed", "--max-steps", "6", "--resume", "latest")
+    assert draws == full_draws[4:]  # torch's and Python's generators continue where they were
+    _assert_same_run(full, str(out))  # metrics.jsonl holds each step once, identical to the uninterrupted run
+
+
+def test_a_save_that_fails_partway_leaves_the_previous_checkpoint_latest(tmp_path, monkeypatch):
+    import checkpoint
+    real, saves = checkpoint.dcp.save, []
+
+    def failing_save(state, checkpoint_id):
+        saves.append(checkpoint_id)
+        real(state, checkpoint_id=checkpoint_id)  # shards on disk, but no trainer state, rename or pointer
+        if len(saves) == 2:
+            raise OSError("disk full")
+    monkeypatch.setattr(checkpoint.dcp, "save", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        run(tmp_path, "run", "--max-steps", "6", "--save-every", "2")
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert sorted(os.listdir(ckpts)) == ["latest", "step-2", "step-4.tmp"]
+    assert (ckpts / "latest").read_text() == "step-2" and not (tmp_path / "run" / "final").exists()
+    monkeypatch.setattr(checkpoint.dcp, "save", real)
+    out = run(tmp_path, "run", "--max-steps", "6", "--save-every", "2", "--resume", "latest")
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
+    assert sorted(os.listdir(ckpts)) == ["latest", "step-2", "step-4", "step-6"]  # the stale .tmp is gone
+
+
+def test_resume_refuses_a_different_run_and_exports_in_the_chosen_dtype(tmp_path, capsys):
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in load_pairs("demo")[:64]))
+    out = run(tmp_path, "run", "--data", str(data), "--max-steps", "2", "--save-every", "2",
+              "--export-dtype", "bfloat16")
+    from transformers import AutoModelForCausalLM
+    assert {v.dtype for v in load_safetensors(os.path.join(out, "final")).values()} == {torch.bfloat16}
+    assert AutoModelForCausalLM.from_pretrained(os.path.join(out, "final")).dtype == torch.bfloat16
+    capsys.readouterr()
+    for args, message in ((["--batch-size", "8"], "--batch-size is 8 but the checkpoint was trained with 16"),
+                          (["--beta", "0.5"], "--beta is 0.5 but the checkpoint was trained with 0.1"),
+                          (["--data", "demo"], "--data is 'demo' but the checkpoint was trained with")):
+        with pytest.raises(SystemExit) as exit_info:
+            train_dpo.main(["--out-dir", out, "--batch-size", "16", "--data", str(data), "--resume", "latest", *args])
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2 and message in err and "\n" not in err, err
+    data.write_text("".join(json.dumps(p) + "\n" for p in load_pairs("demo")[1:65]))  # same path, new content
+    with pytest.raises(SystemExit):
+        train_dpo.main(["--out-dir", out, "--batch-size", "16", "--data", str(data), "--resume", "latest"])
+    assert "the content of --data is" in capsys.readouterr().err
+    # Settings that may change on resume: here the length of the run and the precision.
+    data.write_text("".join(json.dumps(p) + "\n" for p in load_pairs("demo")[:64]))
+    run(tmp_path, "run", "--data", str(data), "--max-steps", "3", "--precision", "bf16", "--resume", "latest")
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+
+
+PREEMPT = """
+import os, signal, sys
+import train_dpo
+real, calls = train_dpo.forward_pairs, [0]
+
+def forward_pairs(policy, *args, **kwargs):  # SIGTERM to rank 1 alone, in the middle of step 3
+    if policy.training:
+        calls[0] += 1
+        if calls[0] == 3 and os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGTERM)
+    return real(policy, *args, **kwargs)
+
+train_dpo.forward_pairs = forward_pairs
+train_dpo.main(sys.argv[1:])
+"""
+
+
+def test_preempted_two_rank_run_saves_one_agreed_step_and_resumes_on_one_rank(six_steps, tmp_path):
+    script = tmp_path / "preempt.py"
+    script.write_text(PREEMPT)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           "--out-dir", str(out), "--batch-size", "16", "--warmup-steps", "2", "--max-steps", "6"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE})
+    assert proc.returncode != 0 and "stopped by a signal after step 3" in proc.stderr, proc.stderr[-3000:]
+    assert (out / "checkpoints" / "latest").read_text() == "step-3" and not (out / "final").exists()
+    assert json.load(open(out / "checkpoints" / "step-3" / "trainer_state.json"))["world_size"] == 2
+    assert [r["step"] for r in read_metrics(str(out))] == [1, 2, 3]
+    run(tmp_path, "run", "--max-steps", "6", "--resume", "latest")  # DCP reshards 2 ranks -> 1
+    _assert_same_run(six_steps[0], str(out), exact=False)
+
+
+def test_one_rank_checkpoint_resumes_on_two_ranks(six_steps, tmp_path):
+    full = six_steps[0]
+    proc = torchrun(2, str(tmp_path / "two"), "--max-steps", "6", "--resume", os.path.join(full, "checkpoints", "step-4"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stderr and "at step 4 (saved on 1 ranks" in proc.stderr
+    for x, y in zip(read_metrics(full)[4:], read_metrics(str(tmp_path / "two")), strict=True):
+        assert x["step"] == y["step"] and x["loss"] == pytest.approx(y["loss"], rel=1e-4)
+    wa, wb = load_safetensors(os.path.join(full, "final")), load_safetensors(str(tmp_path / "two" / "final"))
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-5)
+
+
+def test_sigterm_from_outside_saves_the_finished_step_and_exits_promptly(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(HERE, "train_dpo.py"), "--out-dir", str(out), "--max-steps", "200",
+           "--batch-size", "16", "--warmup-steps", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert time.monotonic() - sent < 60 and proc.returncode == 128 + signal.SIGTERM, err
+    last = read_metrics(str(out))[-1]["step"]
+    assert (out / "checkpoints" / "latest").read_text() == f"step-{last}" and 2 <= last < 200
+    run(tmp_path, "run", "--max-steps", str(last + 1), "--resume", "latest")  # a shorter run: allowed
+    assert [r["step"] for r in read_metrics(str(out))] == list(range(1, last + 2))  # no step lost or repeated
 
 
 @pytest.mark.parametrize("micro", [8, 2])  # per rank: no accumulation, and 4 accumulation steps
-def test_two_rank_torchrun_matches_one_rank(tmp_path, micro):
-    one = run(tmp_path, "one", "--max-steps", "3")
-    proc = torchrun(2, str(tmp_path / "two"), "--max-steps", "3", "--micro-batch-size", str(micro))
+def test_two_rank_torchrun_matches_one_rank(six_steps, tmp_path, micro):
+    one = six_steps[0]
+    proc = torchrun(2, str(tmp_path / "two"), "--max-steps", "6", "--micro-batch-size", str(micro))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    two = str(tmp_path / "two")
-    for split in ("train", "eval"):
-        for x, y in zip(read_metrics(one, split), read_metrics(two, split), strict=True):
-            for key in train_dpo._SUMMED:
-                assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), (split, x["step"], key)
-    wa, wb = load_safetensors(os.path.join(one, "final")), load_safetensors(os.path.join(two, "final"))
-    for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-5)
+    _assert_same_run(one, str(tmp_path / "two"), exact=False)  # losses within 1e-4, weights within 1e-5
 
 
 INJECT = """

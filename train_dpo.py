@@ -6,10 +6,12 @@
 Reads top to bottom: config, distributed, precision, data, models, optimizer, loop, save.
 """
 
+import hashlib
 import json
-import resource
 import math
 import os
+import resource
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -20,10 +22,10 @@ import torch.distributed as dist
 import transformers
 import tyro
 
-from checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
-from data import DataConfig, DataError, build_batches, collate_pairs, load_pairs, tokenize_pairs
-from fsdp_setup import (FSDPConfig, apply_ac, apply_fsdp, close_distributed, gather_full_state_dict,
-                        init_distributed, load_from_rank0)
+from checkpoint import (StopRequest, check_same_run, find_checkpoint, load_checkpoint, read_trainer_state,
+                        save_checkpoint)
+from data import DataConfig, build_batches, collate_pairs, load_pairs, tokenize_pairs
+from fsdp_setup import FSDPConfig, apply_ac, apply_fsdp, gather_full_state_dict, init_distributed, load_from_rank0
 from loss import LossConfig, preference_loss, sequence_logps
 from precision import PrecisionConfig, resolve_precision
 
@@ -62,9 +64,13 @@ class Config:
     eval_every: int = 0
     """Evaluate on the held-out set every N steps; 0 means only at the end."""
     save_every: int = 0
-    """Save a sharded checkpoint to {out_dir}/checkpoints every N steps; 0 disables."""
+    """Save a sharded checkpoint to {out_dir}/checkpoints/step-N every N steps; 0 disables."""
+    keep_last: int = 0
+    """Keep only the newest K checkpoints; 0 keeps all."""
     resume: str | None = None
     """Resume from a checkpoint folder, or "latest" for {out_dir}/checkpoints/latest."""
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the Hugging Face export in {out_dir}/final; float32 is the master weights as trained."""
     seed: int = 0
     """Seeds the tiny model's init and the data order."""
 
@@ -73,7 +79,8 @@ class Config:
         for name in ("batch_size", "epochs", "max_skipped_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_steps", "warmup_steps", "eval_every", "save_every", "max_grad_norm", "weight_decay"):
+        for name in ("max_steps", "warmup_steps", "eval_every", "save_every", "keep_last", "max_grad_norm",
+                     "weight_decay"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         micro = self.micro_batch_size or self.batch_size // world_size
@@ -208,6 +215,13 @@ def _progress(step: int, total: int, m: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- main
+# What makes two runs the same run: resuming with any of these changed is refused. Everything else may change
+# on resume (--max-steps, --epochs, --lr, --warmup-steps, precision, ...); the LR schedule follows the new values.
+_SAME_RUN = {"model": "--model", "data": "--data", "data_sha256": "the content of --data", "seed": "--seed",
+             "batch_size": "--batch-size", "max_length": "--max-length", "max_prompt_length": "--max-prompt-length",
+             "loss": "--loss", "beta": "--beta", "label_smoothing": "--label-smoothing", "simpo_gamma": "--simpo-gamma"}
+
+
 def main(argv: list[str] | None = None) -> None:
     transformers.utils.logging.disable_progress_bar()
     try:
@@ -219,13 +233,21 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         _say(f"error: {e}")
         sys.exit(2)
-
-    # -- distributed, precision
     rank, world, device = init_distributed()
+    try:
+        code = train(cfg, train_pairs, eval_pairs, rank, world, device)
+    finally:
+        dist.destroy_process_group()
+    if code:
+        sys.exit(code)
+
+
+def train(cfg: Config, train_pairs: list, eval_pairs: list, rank: int, world: int, device) -> int:
+    """Everything that needs the process group. Returns the exit code."""
+    # -- precision, data
     try:
         accum = cfg.validate(world)
         precision = resolve_precision(cfg.mixed_precision, device)
-        # -- data
         config, tokenizer = load_model_config(cfg.model)
         max_positions = getattr(config, "max_position_embeddings", None)
         if max_positions and cfg.dataset.max_length > max_positions:
@@ -237,11 +259,15 @@ def main(argv: list[str] | None = None) -> None:
         if steps_per_epoch == 0:
             raise ValueError(f"{cfg.dataset.data}: {len(train_tokens)} pairs, fewer than one --batch-size "
                              f"({cfg.batch_size})")
-        resume_path = find_checkpoint(os.path.join(cfg.out_dir, "checkpoints"), cfg.resume) if cfg.resume else None
+        data_sha256 = hashlib.sha256(json.dumps(train_pairs).encode()).hexdigest()
+        ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
+        resume_path = find_checkpoint(ckpt_root, cfg.resume) if cfg.resume else None
+        saved = read_trainer_state(resume_path) if resume_path else None
+        if saved:
+            check_same_run(saved, {"config": asdict(cfg), "data_sha256": data_sha256}, _SAME_RUN)
     except ValueError as e:
         _say(f"error: {e}")
-        dist.destroy_process_group()
-        sys.exit(2)
+        return 2
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
     cfg.lr = lr = cfg.lr if cfg.lr is not None else (1e-3 if cfg.model == "tiny" else 5e-7)
@@ -255,15 +281,17 @@ def main(argv: list[str] | None = None) -> None:
     del full_model
     rss = _peak_rss_gb(world)
 
-    # -- optimizer: AdamW over the float32 sharded master weights
+    # -- optimizer: AdamW over the float32 sharded master weights; then the checkpoint, if resuming
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=cfg.weight_decay)
-    start_step = 0
-    if resume_path:
-        start_step = load_checkpoint(resume_path, policy, optimizer)["step"]
-        _say(f"resumed from {resume_path} at step {start_step}")
+    scaler, start_step = precision.scaler, saved["step"] if saved else 0
+    if saved:
+        same_rng = load_checkpoint(resume_path, policy, optimizer)
+        if scaler and saved["scaler"]:
+            scaler.load_state_dict(saved["scaler"])
+        _say(f"resumed from {resume_path} at step {start_step}" + (
+            "" if same_rng else f" (saved on {saved['world_size']} ranks: random generators not restored)"))
     os.makedirs(cfg.out_dir, exist_ok=True)
-    # A resumed run appends, so one file holds the whole history; a fresh run starts it anew.
-    metrics_file = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a" if resume_path else "w") if rank == 0 else None
+    metrics_file = _open_metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), start_step) if rank == 0 else None
     _say(f"{cfg.model}: {sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M params, {world} rank(s) "
          f"on {device.type}, {precision.name}, {len(train_tokens)} train / {len(eval_tokens)} eval pairs, "
          f"{total_steps} steps x {cfg.batch_size} pairs ({accum} accumulation steps)")
@@ -283,9 +311,17 @@ def main(argv: list[str] | None = None) -> None:
         log({"step": step, "split": "eval", **m, "elapsed_s": time.perf_counter() - t0})
         return m
 
+    def save(step: int) -> str:
+        extra = {"step": step, "config": asdict(cfg), "data_sha256": data_sha256,
+                 "data_position": {"epoch": step // steps_per_epoch,
+                                   "pairs_consumed": step % steps_per_epoch * cfg.batch_size},
+                 "schedule": {"lr": lr, "warmup_steps": cfg.warmup_steps, "total_steps": total_steps},
+                 "scaler": scaler.state_dict() if scaler else None}
+        return save_checkpoint(ckpt_root, step, policy, optimizer, extra, keep_last=cfg.keep_last)
+
     # -- loop
     t0 = time.perf_counter()
-    scaler = precision.scaler
+    stop = StopRequest()  # SIGTERM / SIGINT: finish this step, checkpoint it, exit
     batches, epoch, bad_steps = [], -1, 0
     for step in range(start_step, total_steps):
         if step // steps_per_epoch != epoch:  # the data order is a function of (seed, epoch) only
@@ -295,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
         for group in optimizer.param_groups:
             group["lr"] = get_lr(step, lr, cfg.warmup_steps, total_steps)
         mine = batches[step % steps_per_epoch]
-        sums = torch.zeros(len(_SUMMED) + 1, device=device)
+        sums = torch.zeros(len(_SUMMED) + 2, device=device)  # the metrics, non-padding tokens, stop request
         for micro in range(accum):
             idx = mine[micro * cfg.micro_batch_size:(micro + 1) * cfg.micro_batch_size]
             batch = {k: v.to(device) for k, v in collate_pairs([train_tokens[i] for i in idx], pad_id).items()}
@@ -306,12 +342,13 @@ def main(argv: list[str] | None = None) -> None:
             loss = out["losses"].sum() / (cfg.batch_size // world)
             (scaler.scale(loss) if scaler else loss).backward()
             ones = torch.ones(len(idx), device=device)
-            sums += torch.cat([_pair_sums(out, ones), batch["attention_mask"].sum()[None]])
+            sums[:-1] += torch.cat([_pair_sums(out, ones), batch["attention_mask"].sum()[None]])
         if scaler:
             scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm or math.inf)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        dist.all_reduce(sums)  # one collective per step for all metrics
+        sums[-1] = float(stop.signum > 0)
+        dist.all_reduce(sums)  # one collective per step: metrics, and whether any rank was asked to stop
         # The norm and the summed loss are global, so every rank takes the same decision: a NaN or an fp16
         # overflow on any one rank skips the step everywhere, in every precision.
         skipped = not bool(torch.isfinite(grad_norm) & torch.isfinite(sums[0]))
@@ -324,9 +361,9 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.zero_grad(set_to_none=True)
         bad_steps = bad_steps + 1 if skipped else 0
         dt = time.perf_counter() - step_t0
-        m = _means(sums[:-1], cfg.batch_size)
+        m = _means(sums[:-2], cfg.batch_size)
         m.update({"grad_norm": grad_norm.item(), "lr": optimizer.param_groups[0]["lr"],
-                  "tokens_per_s": sums[-1].item() / dt, "pairs_per_s": cfg.batch_size / dt,
+                  "tokens_per_s": sums[-2].item() / dt, "pairs_per_s": cfg.batch_size / dt,
                   "elapsed_s": time.perf_counter() - t0, "skipped": skipped})
         if scaler:
             m["loss_scale"] = scaler.get_scale()
@@ -336,8 +373,7 @@ def main(argv: list[str] | None = None) -> None:
         if bad_steps >= cfg.max_skipped_steps:
             _say(f"error: stopping at step {step + 1}: {bad_steps} consecutive steps since step "
                  f"{step + 2 - bad_steps} had a non-finite loss or gradient norm")
-            dist.destroy_process_group()
-            sys.exit(1)
+            return 1
         if rank == 0:
             _progress(step + 1, total_steps, m)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total_steps:
@@ -345,9 +381,13 @@ def main(argv: list[str] | None = None) -> None:
             if e:
                 _say(f"eval step {step + 1}: loss {e['loss']:.4f} acc {e['rewards/accuracies']:.3f} "
                      f"margin {e['rewards/margins']:.3f}")
-        if cfg.save_every and (step + 1) % cfg.save_every == 0:
-            save_checkpoint(os.path.join(cfg.out_dir, "checkpoints"), step + 1, policy, optimizer,
-                            {"step": step + 1, "config": asdict(cfg)})
+        stopping = sums[-1].item() > 0
+        if stopping or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+            path = save(step + 1)
+        if stopping:
+            _say(f"stopped by a signal after step {step + 1}: saved {path}; continue with --resume latest")
+            return 128 + (stop.signum or signal.SIGTERM)
+    stop.restore()
 
     # -- final evaluation and export
     e = run_eval(total_steps)
@@ -358,14 +398,30 @@ def main(argv: list[str] | None = None) -> None:
         if e:
             _say(f"final eval ({len(eval_tokens)} pairs): loss {e['loss']:.4f} reward accuracy "
                  f"{e['rewards/accuracies']:.3f} margin {e['rewards/margins']:.3f}")
-        final = os.path.join(cfg.out_dir, "final")
-        policy.save_pretrained(final, state_dict=state)
+        final, dtype = os.path.join(cfg.out_dir, "final"), getattr(torch, cfg.export_dtype)
+        policy.save_pretrained(final, state_dict={k: v.to(dtype) for k, v in state.items()})
+        policy.config.dtype = dtype  # save_pretrained records the float32 masters' dtype; record the export's
+        policy.config.save_pretrained(final)
         tokenizer.save_pretrained(final)
         with open(os.path.join(final, "train_config.json"), "w") as f:
             json.dump(asdict(cfg), f, indent=2)
         metrics_file.close()
         _say(f"saved {final}")
-    close_distributed()
+    dist.barrier()
+    return 0
+
+
+def _open_metrics(path: str, resume_step: int):
+    """metrics.jsonl for appending. A fresh run starts it anew; a resumed run keeps the rows up to the step
+    it resumes from (later ones were logged after that checkpoint, and will be logged again)."""
+    rows = []
+    if resume_step and os.path.exists(path):
+        with open(path) as f:
+            rows = [line for line in f if json.loads(line)["step"] <= resume_step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(rows)
+    os.replace(path + ".tmp", path)
+    return open(path, "a")
 
 
 if __name__ == "__main__":
