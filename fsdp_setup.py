@@ -12,6 +12,7 @@ Copyable on its own: imports only the standard library and torch.
 """
 
 import os
+import resource
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -117,3 +118,11 @@ def load_from_rank0(model: nn.Module, full_model: nn.Module | None, device: torc
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Full, unsharded state dict on CPU in the master dtype on rank 0; an empty dict on other ranks."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def peak_host_memory_gb() -> list[float]:
+    """Every rank's peak host memory so far (max RSS), in GB; a collective."""
+    rss = torch.zeros(dist.get_world_size())
+    rss[dist.get_rank()] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    dist.all_reduce(rss)
+    return rss.tolist()

@@ -10,7 +10,6 @@ import hashlib
 import json
 import math
 import os
-import resource
 import signal
 import sys
 import time
@@ -22,10 +21,11 @@ import torch.distributed as dist
 import transformers
 import tyro
 
-from checkpoint import (StopRequest, check_same_run, find_checkpoint, load_checkpoint, read_trainer_state,
+from checkpoint import (StopRequest, check_same_run, find_checkpoint, load_checkpoint, open_log, read_trainer_state,
                         save_checkpoint)
 from data import DataConfig, build_batches, collate_pairs, load_pairs, tokenize_pairs
-from fsdp_setup import FSDPConfig, apply_ac, apply_fsdp, gather_full_state_dict, init_distributed, load_from_rank0
+from fsdp_setup import (FSDPConfig, apply_ac, apply_fsdp, gather_full_state_dict, init_distributed, load_from_rank0,
+                        peak_host_memory_gb)
 from loss import LossConfig, preference_loss, sequence_logps
 from precision import PrecisionConfig, resolve_precision
 
@@ -76,13 +76,11 @@ class Config:
 
     def validate(self, world_size: int) -> int:
         """Check the settings against the world size; return the gradient accumulation steps."""
-        for name in ("batch_size", "epochs", "max_skipped_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_steps", "warmup_steps", "eval_every", "save_every", "keep_last", "max_grad_norm",
-                     "weight_decay"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        for name in ("batch_size", "epochs", "max_skipped_steps", "max_steps", "warmup_steps", "eval_every",
+                     "save_every", "keep_last", "max_grad_norm", "weight_decay"):
+            low = 1 if name in ("batch_size", "epochs", "max_skipped_steps") else 0
+            if getattr(self, name) < low:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
         micro = self.micro_batch_size or self.batch_size // world_size
         if micro < 1 or self.batch_size % (micro * world_size):
             raise ValueError(f"--batch-size {self.batch_size} must be a multiple of --micro-batch-size "
@@ -125,14 +123,6 @@ def build_sharded(config, full_model, cfg: Config, precision, device, frozen: bo
     apply_fsdp(model, precision.mp_policy, frozen=frozen, reshard_after_forward=cfg.fsdp.reshard_after_forward)
     load_from_rank0(model, full_model, device)
     return model
-
-
-def _peak_rss_gb(world: int) -> list[float]:
-    """Every rank's peak host memory (max RSS) so far, in GB."""
-    rss = torch.zeros(world)
-    rss[dist.get_rank()] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-    dist.all_reduce(rss)
-    return rss.tolist()
 
 
 # ---------------------------------------------------------------------------------------------- the step
@@ -275,11 +265,10 @@ def train(cfg: Config, train_pairs: list, eval_pairs: list, rank: int, world: in
     # -- models: only rank 0 loads the full weights; the reference is a frozen copy, sharded the same way
     full_model = load_full_model(cfg.model, config, cfg.seed) if rank == 0 else None
     policy = build_sharded(config, full_model, cfg, precision, device).train()
-    reference = None
-    if not cfg.objective.reference_free:
-        reference = build_sharded(config, full_model, cfg, precision, device, frozen=True)
+    reference = None if cfg.objective.reference_free else build_sharded(config, full_model, cfg, precision, device,
+                                                                        frozen=True)
     del full_model
-    rss = _peak_rss_gb(world)
+    rss = peak_host_memory_gb()
 
     # -- optimizer: AdamW over the float32 sharded master weights; then the checkpoint, if resuming
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=cfg.weight_decay)
@@ -291,25 +280,24 @@ def train(cfg: Config, train_pairs: list, eval_pairs: list, rank: int, world: in
         _say(f"resumed from {resume_path} at step {start_step}" + (
             "" if same_rng else f" (saved on {saved['world_size']} ranks: random generators not restored)"))
     os.makedirs(cfg.out_dir, exist_ok=True)
-    metrics_file = _open_metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), start_step) if rank == 0 else None
+    metrics_file = open_log(os.path.join(cfg.out_dir, "metrics.jsonl"), start_step) if rank == 0 else None
     _say(f"{cfg.model}: {sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M params, {world} rank(s) "
          f"on {device.type}, {precision.name}, {len(train_tokens)} train / {len(eval_tokens)} eval pairs, "
-         f"{total_steps} steps x {cfg.batch_size} pairs ({accum} accumulation steps)")
-    _say("peak host memory after loading, GB by rank: " + " ".join(f"{x:.2f}" for x in rss))
+         f"{total_steps} steps x {cfg.batch_size} pairs ({accum} accumulation steps); peak host memory after "
+         f"loading, GB by rank: {' '.join(f'{x:.2f}' for x in rss)}")
     if not eval_tokens:
         _say("no --eval-data: evaluation skipped")
 
     def log(row: dict) -> None:
-        if metrics_file:
+        if metrics_file:  # line-buffered: each row reaches the disk as it is written
             metrics_file.write(json.dumps(row) + "\n")
-            metrics_file.flush()
 
-    def run_eval(step: int) -> dict | None:
-        if not eval_tokens:
-            return None
-        m = evaluate(policy, reference, eval_tokens, cfg, rank, world, device, pad_id)
-        log({"step": step, "split": "eval", **m, "elapsed_s": time.perf_counter() - t0})
-        return m
+    def run_eval(step: int) -> None:
+        if eval_tokens:
+            m = evaluate(policy, reference, eval_tokens, cfg, rank, world, device, pad_id)
+            log({"step": step, "split": "eval", **m, "elapsed_s": time.perf_counter() - t0})
+            _say(f"eval at step {step} ({len(eval_tokens)} pairs): loss {m['loss']:.4f} reward accuracy "
+                 f"{m['rewards/accuracies']:.3f} margin {m['rewards/margins']:.3f}")
 
     def save(step: int) -> str:
         extra = {"step": step, "config": asdict(cfg), "data_sha256": data_sha256,
@@ -377,10 +365,7 @@ def train(cfg: Config, train_pairs: list, eval_pairs: list, rank: int, world: in
         if rank == 0:
             _progress(step + 1, total_steps, m)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total_steps:
-            e = run_eval(step + 1)
-            if e:
-                _say(f"eval step {step + 1}: loss {e['loss']:.4f} acc {e['rewards/accuracies']:.3f} "
-                     f"margin {e['rewards/margins']:.3f}")
+            run_eval(step + 1)
         stopping = sums[-1].item() > 0
         if stopping or (cfg.save_every and (step + 1) % cfg.save_every == 0):
             path = save(step + 1)
@@ -390,14 +375,11 @@ def train(cfg: Config, train_pairs: list, eval_pairs: list, rank: int, world: in
     stop.restore()
 
     # -- final evaluation and export
-    e = run_eval(total_steps)
-    rss = _peak_rss_gb(world)
+    run_eval(total_steps)
+    rss = peak_host_memory_gb()
     state = gather_full_state_dict(policy)
     if rank == 0:
         _say("peak host memory during training, GB by rank: " + " ".join(f"{x:.2f}" for x in rss))
-        if e:
-            _say(f"final eval ({len(eval_tokens)} pairs): loss {e['loss']:.4f} reward accuracy "
-                 f"{e['rewards/accuracies']:.3f} margin {e['rewards/margins']:.3f}")
         final, dtype = os.path.join(cfg.out_dir, "final"), getattr(torch, cfg.export_dtype)
         policy.save_pretrained(final, state_dict={k: v.to(dtype) for k, v in state.items()})
         policy.config.dtype = dtype  # save_pretrained records the float32 masters' dtype; record the export's
@@ -409,19 +391,6 @@ def train(cfg: Config, train_pairs: list, eval_pairs: list, rank: int, world: in
         _say(f"saved {final}")
     dist.barrier()
     return 0
-
-
-def _open_metrics(path: str, resume_step: int):
-    """metrics.jsonl for appending. A fresh run starts it anew; a resumed run keeps the rows up to the step
-    it resumes from (later ones were logged after that checkpoint, and will be logged again)."""
-    rows = []
-    if resume_step and os.path.exists(path):
-        with open(path) as f:
-            rows = [line for line in f if json.loads(line)["step"] <= resume_step]
-    with open(path + ".tmp", "w") as f:
-        f.writelines(rows)
-    os.replace(path + ".tmp", path)
-    return open(path, "a")
 
 
 if __name__ == "__main__":
