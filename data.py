@@ -184,25 +184,29 @@ def _leading_special_ids(tokenizer) -> list[int]:
 
 
 def collate_pairs(pairs: list[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Stack B pairs as 2B rows, all chosen then all rejected, right-padded to the longest row.
+    """Stack B pairs as 2B rows, all chosen then all rejected, with every response starting at one column.
 
-    Returns input_ids, attention_mask and labels, each (2B, T) int64. labels are IGNORE_INDEX on prompt
-    and padding positions, so only response tokens (and their EOS) are scored.
+    Prompts are left-padded to the longest prompt P, responses right-padded to the longest response, so
+    the rows are (2B, T) with T = P + longest response, and only logits from column P - 1 on are ever
+    scored: a model can skip the output layer for the prompt columns (Hugging Face's `logits_to_keep`).
+    Returns input_ids, attention_mask, position_ids (counting real tokens only, so left padding does not
+    shift positions) and labels, each (2B, T) int64, plus `response_start` = P (an int). labels are
+    IGNORE_INDEX on prompt and padding positions, so only response tokens (and their EOS) are scored.
     """
-    rows, labels = [], []
-    for key in ("chosen", "rejected"):
-        for pair in pairs:
-            rows.append(pair["prompt"] + pair[key])
-            labels.append([IGNORE_INDEX] * len(pair["prompt"]) + pair[key])
-    width = max(len(r) for r in rows)
+    rows = [(pair["prompt"], pair[key]) for key in ("chosen", "rejected") for pair in pairs]
+    start = max(len(prompt) for prompt, _ in rows)
+    width = start + max(len(response) for _, response in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    label_ids = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (row, label) in enumerate(zip(rows, labels)):
-        input_ids[i, :len(row)] = torch.tensor(row)
-        label_ids[i, :len(row)] = torch.tensor(label)
-        attention_mask[i, :len(row)] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": label_ids}
+    for i, (prompt, response) in enumerate(rows):
+        first, end = start - len(prompt), start + len(response)
+        input_ids[i, first:end] = torch.tensor(prompt + response)
+        labels[i, start:end] = torch.tensor(response)
+        attention_mask[i, first:end] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+            "labels": labels, "response_start": start}
 
 
 # ---------------------------------------------------------------------------------------------- order

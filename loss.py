@@ -63,22 +63,56 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, average: bool = F
     positions that do not count. Returns (B,) float32: sum_t log p(labels_t | <t), or the mean over counted
     tokens when average=True. A row with no counted tokens gives 0.
 
-    Only the counted positions are gathered and upcast, so the float32 copy is (N, V) for N response
-    tokens, not (B, T, V) for the whole batch with its prompts and padding.
+    No float32 copy of the logits is made: the log-softmax runs in float32 over chunks of counted
+    positions only, and backward recomputes it chunk by chunk from the saved log-sum-exp (see _TokenLogps).
     """
     if logits.shape[:2] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on (B, T)")
-    labels = labels[:, 1:]  # (B, T-1): the targets
-    mask = labels != IGNORE_INDEX  # (B, T-1)
-    picked = logits[:, :-1][mask].float()  # (N, V), N = counted tokens
-    targets = labels[mask].unsqueeze(-1)  # (N, 1)
-    token_logps = picked.gather(-1, targets).squeeze(-1) - picked.logsumexp(-1)  # (N,)
+    mask = labels[:, 1:] != IGNORE_INDEX  # (B, T-1): position t of the logits scores label t+1
+    rows, cols = mask.nonzero(as_tuple=True)  # (N,) each: the counted positions
+    token_logps = _TokenLogps.apply(logits, rows, cols, labels[:, 1:][mask])  # (N,) float32
     per_token = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
-    per_token = per_token.masked_scatter(mask, token_logps)  # (B, T-1), zeros where not counted
-    total = per_token.sum(-1)
-    if not average:
-        return total
-    return total / mask.sum(-1).clamp(min=1)
+    total = per_token.masked_scatter(mask, token_logps).sum(-1)  # (B,)
+    return total / mask.sum(-1).clamp(min=1) if average else total
+
+
+class _TokenLogps(torch.autograd.Function):
+    """log softmax(logits[rows, cols])[targets] in float32, chunk by chunk.
+
+    Forward keeps only the (N,) log-sum-exp besides its inputs; backward writes
+    d/dlogits = grad * (onehot(target) - softmax) chunk by chunk into a gradient in the logits' dtype, so
+    the extra memory is that gradient (which autograd needs anyway) plus one float32 chunk.
+    """
+
+    @staticmethod
+    def chunk_rows(logits: torch.Tensor) -> int:
+        # Float32 elements per chunk: 4 MiB stays in a CPU's caches and bounds host memory; a GPU wants fewer,
+        # larger kernels, and 64 MiB is nothing beside its logits.
+        return max(1, (2**20 if logits.device.type == "cpu" else 2**24) // logits.shape[-1])
+
+    @staticmethod
+    def forward(ctx, logits, rows, cols, targets):
+        chunk = _TokenLogps.chunk_rows(logits)
+        lse = torch.empty(len(rows), dtype=torch.float32, device=logits.device)
+        picked = torch.empty_like(lse)
+        for i in range(0, len(rows), chunk):
+            x = logits[rows[i:i + chunk], cols[i:i + chunk]].float()  # (chunk, V)
+            lse[i:i + chunk] = x.logsumexp(-1)
+            picked[i:i + chunk] = x.gather(-1, targets[i:i + chunk, None]).squeeze(-1)
+        ctx.save_for_backward(logits, rows, cols, targets, lse)
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, rows, cols, targets, lse = ctx.saved_tensors
+        chunk = _TokenLogps.chunk_rows(logits)
+        grad_logits = torch.zeros_like(logits)
+        for i in range(0, len(rows), chunk):
+            r, c, g = rows[i:i + chunk], cols[i:i + chunk], grad[i:i + chunk, None]
+            x = (logits[r, c].float() - lse[i:i + chunk, None]).exp_().mul_(-g)  # -g * softmax
+            x.scatter_add_(-1, targets[i:i + chunk, None], g)
+            grad_logits[r, c] = x.to(logits.dtype)
+        return grad_logits, None, None, None
 
 
 def preference_loss(

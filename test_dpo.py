@@ -150,20 +150,22 @@ def test_sequence_logps_matches_hugging_face_loss():
         assert total.item() == pytest.approx(-model(input_ids=ids, labels=labels).loss.item(), rel=1e-5)
 
 
-def test_prompt_and_padding_positions_never_count():
+def test_batch_layout_aligns_responses_and_masks_prompt_and_padding():
     _, tok = tiny(seed=0)
     pairs = tokenize_pairs([{"prompt": "Rate it:", "chosen": " fine", "rejected": " no"},
                             {"prompt": "Q", "chosen": " a much longer answer", "rejected": " b"}], tok, 64, 32)
     batch = collate_pairs(pairs, pad_id=tok.pad_token_id)
-    assert batch["input_ids"].shape == (4, 1 + 21 + 1)  # padded to the longest row, never to max_length
-    # Labels are exactly the response ids (with EOS) and -100 elsewhere.
+    start = 8  # the longest prompt, "Rate it:"
+    assert batch["response_start"] == start
+    assert batch["input_ids"].shape == (4, start + 21 + 1)  # + the longest response and its EOS, not max_length
     rows = [(p, p["chosen"]) for p in pairs] + [(p, p["rejected"]) for p in pairs]
     for i, (p, resp) in enumerate(rows):
-        n = len(p["prompt"])
-        assert batch["labels"][i, :n].eq(-100).all()
-        assert batch["labels"][i, n:n + len(resp)].tolist() == resp and resp[-1] == tok.eos_token_id
-        assert batch["labels"][i, n + len(resp):].eq(-100).all()
-        assert batch["attention_mask"][i].sum() == n + len(resp)
+        first, end = start - len(p["prompt"]), start + len(resp)
+        assert batch["input_ids"][i, first:end].tolist() == p["prompt"] + resp and resp[-1] == tok.eos_token_id
+        assert batch["attention_mask"][i].tolist() == [0] * first + [1] * (end - first) + [0] * (30 - end)
+        assert batch["position_ids"][i, first:end].tolist() == list(range(end - first))
+        # Labels are exactly the response ids (with EOS), -100 on the prompt and the padding either side.
+        assert batch["labels"][i].tolist() == [-100] * start + resp + [-100] * (30 - end)
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, batch["labels"].shape[1], len(tok), generator=g)
     base = sequence_logps(logits, batch["labels"])
@@ -172,8 +174,49 @@ def test_prompt_and_padding_positions_never_count():
     noisy = torch.where(ignored[..., None], torch.randn(logits.shape, generator=g) * 50, logits)
     torch.testing.assert_close(sequence_logps(noisy, batch["labels"]), base, rtol=0, atol=0)
     counted = logits.clone()
-    counted[0, len(pairs[0]["prompt"]), 7] += 5.0  # a scored position does change the result
+    counted[0, start - 1, 7] += 5.0  # a scored position does change the result
     assert sequence_logps(counted, batch["labels"])[0] != base[0]
+
+
+def test_response_aligned_batch_with_logits_to_keep_equals_unpadded_rows():
+    policy, tok = tiny(seed=2)
+    texts = [{"prompt": "Review the red kettle:", "chosen": " Great. 5/5", "rejected": " The kettle is bad. 1/5"},
+             {"prompt": "Hi", "chosen": " A much longer and more detailed answer here.", "rejected": " No."},
+             {"prompt": "Rate the lamp please:", "chosen": "!", "rejected": " meh"}]
+    pairs = tokenize_pairs(texts, tok, 128, 64)
+    batch = collate_pairs(pairs, tok.pad_token_id)
+    kept = []
+    policy.lm_head.register_forward_hook(lambda module, args, out: kept.append(args[0].shape[1]))
+    with torch.no_grad():
+        out = train_dpo.forward_pairs(policy, None, batch, train_dpo.LossConfig(loss="simpo"))
+        assert kept == [batch["input_ids"].shape[1] - batch["response_start"] + 1]  # response columns only
+        for i, p in enumerate(pairs):
+            for key in ("chosen", "rejected"):
+                ids = torch.tensor([p["prompt"] + p[key]])
+                labels = torch.tensor([[-100] * len(p["prompt"]) + p[key]])
+                alone = sequence_logps(policy(input_ids=ids).logits, labels, average=True)  # no padding at all
+                torch.testing.assert_close(out[f"{key}_logps"][i], alone[0], rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_logps_match_naive_across_chunk_boundaries_and_save_no_float_copy(monkeypatch):
+    import loss
+    monkeypatch.setattr(loss._TokenLogps, "chunk_rows", staticmethod(lambda logits: 3))
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 9, 50, generator=g).to(torch.bfloat16)
+    labels = torch.randint(0, 50, (4, 9), generator=g)
+    labels[:, :3] = -100
+    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        ours = sequence_logps(a, labels)
+    naive = _naive_logps(b, labels, average=False)
+    torch.testing.assert_close(ours, naive, rtol=1e-6, atol=1e-6)
+    ours.sum().backward()
+    naive.sum().backward()
+    torch.testing.assert_close(a.grad.float(), b.grad.float(), rtol=0, atol=0)
+    # Besides the logits themselves, forward keeps O(tokens) tensors, never an (N, V) float32 copy.
+    extra = sum(t.numel() for t in saved if t.data_ptr() != a.data_ptr())
+    assert extra < 10 * labels.numel() < a.numel()
 
 
 def test_step0_loss_is_ln2_and_rewards_zero():
@@ -362,7 +405,8 @@ def test_activation_checkpointing_and_resharding_change_memory_not_math():
             batch = collate_pairs(tokenize_pairs(load_pairs("demo")[:2], tok, 64, 32), tok.pad_token_id)
             with torch.autograd.graph.saved_tensors_hooks(lambda t: counts.__setitem__("saved", counts["saved"] + 1) or t,
                                                           lambda t: t):
-                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                               position_ids=batch["position_ids"], use_cache=False).logits
             logps = sequence_logps(logits, batch["labels"])
             logps.sum().backward()
             grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}

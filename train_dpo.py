@@ -7,6 +7,7 @@ Reads top to bottom: config, distributed, precision, data, models, optimizer, lo
 """
 
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -126,22 +127,35 @@ def build_sharded(config, full_model, cfg: Config, precision, device, frozen: bo
 
 
 # ---------------------------------------------------------------------------------------------- the step
-def forward_pairs(policy, reference, batch: dict, objective: LossConfig) -> dict:
-    """Per-pair losses, rewards and policy log-probs for one (2B, T) batch of [chosen; rejected] rows."""
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
-    ref_chosen = ref_rejected = None
-    if reference is not None:  # first, so its logits are freed before the policy's activations exist
+def forward_pairs(policy, reference, batch: dict, objective: LossConfig, ref_logps: torch.Tensor | None = None) -> dict:
+    """Per-pair losses, rewards and policy log-probs for one collate_pairs batch: (2B, T) [chosen; rejected].
+
+    Only the response columns go through the output layer (`logits_to_keep`), as every response starts at
+    column batch["response_start"]. ref_logps (2B,), when given, replaces running `reference`.
+    """
+    start = max(batch["response_start"] - 1, 0)  # the last prompt column scores the first response token
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    inputs["use_cache"] = False
+    labels = batch["labels"]
+    if "logits_to_keep" in inspect.signature(policy.forward).parameters:
+        inputs["logits_to_keep"] = labels.shape[1] - start
+        labels = labels[:, start:]  # (2B, T - start), aligned with the kept logits
+    if ref_logps is None and reference is not None:  # first, so its logits are freed before the policy's exist
         with torch.no_grad():
-            ref_logps = sequence_logps(reference(**inputs).logits, batch["labels"], objective.average_logps)
-        ref_chosen, ref_rejected = ref_logps.chunk(2)
-    logits = policy(**inputs).logits  # (2B, T, V) in the compute dtype
-    logps = sequence_logps(logits, batch["labels"], average=objective.average_logps)  # (2B,) float32
+            ref_logps = sequence_logps(reference(**inputs).logits, labels, objective.average_logps)
+    logits = policy(**inputs).logits  # (2B, T - start, V) in the compute dtype
+    logps = sequence_logps(logits, labels, average=objective.average_logps)  # (2B,) float32
     chosen, rejected = logps.chunk(2)
+    ref_chosen, ref_rejected = ref_logps.chunk(2) if ref_logps is not None else (None, None)
     losses, chosen_rewards, rejected_rewards = preference_loss(
         chosen, rejected, ref_chosen, ref_rejected, loss_type=objective.loss, beta=objective.beta,
         label_smoothing=objective.label_smoothing, simpo_gamma=objective.simpo_gamma)
     return {"losses": losses, "chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards,
             "chosen_logps": chosen.detach(), "rejected_logps": rejected.detach()}
+
+
+def _to(batch: dict, device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 _SUMMED = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -172,7 +186,7 @@ def evaluate(policy, reference, pairs: list, cfg: Config, rank: int, world: int,
         idx = mine[b * micro:(b + 1) * micro]
         weight = torch.tensor([1.0] * len(idx) or [0.0], device=device)
         batch = collate_pairs([pairs[i] for i in idx or [0]], pad_id)
-        out = forward_pairs(policy, reference, {k: v.to(device) for k, v in batch.items()}, cfg.objective)
+        out = forward_pairs(policy, reference, _to(batch, device), cfg.objective)
         sums += torch.cat([_pair_sums(out, weight), weight.sum()[None]])
     dist.all_reduce(sums)
     policy.train()
@@ -322,7 +336,7 @@ def train(cfg: Config, train_pairs: list, eval_pairs: list, rank: int, world: in
         sums = torch.zeros(len(_SUMMED) + 2, device=device)  # the metrics, non-padding tokens, stop request
         for micro in range(accum):
             idx = mine[micro * cfg.micro_batch_size:(micro + 1) * cfg.micro_batch_size]
-            batch = {k: v.to(device) for k, v in collate_pairs([train_tokens[i] for i in idx], pad_id).items()}
+            batch = _to(collate_pairs([train_tokens[i] for i in idx], pad_id), device)
             # Reduce-scatter gradients only once, after the last micro-batch.
             policy.set_requires_gradient_sync(micro == accum - 1)
             out = forward_pairs(policy, reference, batch, cfg.objective)
