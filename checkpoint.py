@@ -7,7 +7,6 @@ Copyable on its own: imports only the standard library and torch.
     state = read_trainer_state(path)                       # the saved extra, cheap: before building models
     check_same_run(state, {"config": config}, fixed={"model": "--model", "batch_size": "--batch-size"})
     load_checkpoint(path, model, optimizer)                # any world size: DCP reshards on load
-    log = open_log("metrics.jsonl", resume_step=state["step"])  # the history up to the checkpoint, to append to
     stop = StopRequest()                                   # SIGTERM/SIGINT: finish the step, save, exit
 
 A checkpoint folder holds the model and optimizer shards (DCP), trainer_state.json (the caller's extra plus
@@ -109,20 +108,6 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizer) -> bool:
     if rng["cuda"]:
         torch.cuda.set_rng_state_all(rng["cuda"])
     return True
-
-
-def open_log(path: str, resume_step: int):
-    """A JSON Lines log of {"step", ...} rows, opened for appending. A fresh run (resume_step 0) starts it
-    anew; a resumed run keeps the rows up to its step, dropping any logged after that checkpoint (they will
-    be logged again), so one file holds the whole history once."""
-    rows = []
-    if resume_step and os.path.exists(path):
-        with open(path) as f:
-            rows = [line for line in f if json.loads(line)["step"] <= resume_step]
-    with open(path + ".tmp", "w") as f:
-        f.writelines(rows)
-    os.replace(path + ".tmp", path)
-    return open(path, "a", buffering=1)
 
 
 def check_same_run(saved: dict, current: dict, fixed: dict[str, str]) -> None:

@@ -12,7 +12,6 @@ Copyable on its own: imports only the standard library and torch.
 """
 
 import os
-import resource
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -93,8 +92,9 @@ def apply_fsdp(model: nn.Module, mp_policy: MixedPrecisionPolicy, frozen: bool =
         model.requires_grad_(False).eval()
     for block in _blocks(model):
         fully_shard(block, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    # The root keeps FSDP2's default: it stays gathered after forward, as backward needs it at once.
-    fully_shard(model, mp_policy=mp_policy)
+    # A trained root stays gathered after forward (FSDP2's default), as backward needs it at once; a frozen
+    # one has no backward, so it reshards, rather than hold the embeddings and output layer gathered for good.
+    fully_shard(model, mp_policy=mp_policy, reshard_after_forward=True if frozen else None)
     return model
 
 
@@ -119,10 +119,3 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Full, unsharded state dict on CPU in the master dtype on rank 0; an empty dict on other ranks."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-
-def peak_host_memory_gb() -> list[float]:
-    """Every rank's peak host memory so far (max RSS), in GB; a collective."""
-    rss = torch.zeros(dist.get_world_size())
-    rss[dist.get_rank()] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-    dist.all_reduce(rss)
-    return rss.tolist()

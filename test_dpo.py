@@ -20,9 +20,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import train_dpo
-from data import DataError, build_batches, collate_pairs, load_pairs, tokenize_pairs
+from data import DataError, build_batches, collate_pairs, load_pairs, pair_lengths, tokenize_pairs
 from fsdp_setup import apply_ac, find_block_class, gather_full_state_dict
 from loss import preference_loss, sequence_logps
+from metrics import PAIR_METRICS, device_peak_flops
 from precision import PrecisionConfig, resolve_precision
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -63,8 +64,12 @@ def torchrun(nproc, out, *args):
 
 
 def load_safetensors(folder):
+    return load_safetensors_file(os.path.join(folder, "model.safetensors"))
+
+
+def load_safetensors_file(path):
     from safetensors.torch import load_file
-    return load_file(os.path.join(folder, "model.safetensors"))
+    return load_file(path)
 
 
 # ---------------------------------------------------------------------------------------------- loss.py
@@ -276,14 +281,35 @@ def test_demo_is_deterministic_with_disjoint_held_out_items():
     assert all("5/5" in p["chosen"] and "1/5" in p["rejected"] for p in train + held_out)
 
 
-def test_build_batches_disjoint_across_ranks_and_deterministic():
-    one = build_batches(100, 8, rank=0, world_size=1, seed=5, epoch=0)
-    two = [build_batches(100, 8, rank=r, world_size=2, seed=5, epoch=0) for r in range(2)]
-    assert len(one) == 12 and all(len(b) == 8 for b in one)  # the partial last batch is dropped
+@pytest.mark.parametrize("grouped", [False, True])
+def test_build_batches_disjoint_across_ranks_and_deterministic(grouped):
+    lengths = [(random.Random(i).randint(5, 300), random.Random(-i).randint(5, 300)) for i in range(1000)] if grouped else None
+    one = build_batches(1000, 8, rank=0, world_size=1, seed=5, epoch=0, lengths=lengths)
+    two = [build_batches(1000, 8, rank=r, world_size=2, seed=5, epoch=0, lengths=lengths) for r in range(2)]
+    assert len(one) == 125 and all(len(b) == 8 for b in one)
     for step, batch in enumerate(one):
         assert two[0][step] + two[1][step] == batch and not set(two[0][step]) & set(two[1][step])
-    assert len({i for b in one for i in b}) == 96
-    assert one == build_batches(100, 8, 0, 1, seed=5, epoch=0) != build_batches(100, 8, 0, 1, seed=5, epoch=1)
+    assert len({i for b in one for i in b}) == 1000
+    again = build_batches(1000, 8, 0, 1, seed=5, epoch=0, lengths=lengths)
+    assert one == again != build_batches(1000, 8, 0, 1, seed=5, epoch=1, lengths=lengths)
+    assert len(build_batches(100, 8, 0, 1, seed=5, epoch=0, lengths=lengths)) == 12  # a partial batch is dropped
+
+
+def test_length_grouping_gives_at_least_90_percent_real_tokens_on_mixed_lengths():
+    # Prompts of 10-400 tokens, responses of 20-400, a pair's two responses within 25% of each other.
+    rng, pairs = random.Random(0), []
+    for _ in range(4096):
+        prompt, chosen = rng.randint(10, 400), rng.randint(20, 400)
+        pairs.append({"prompt": [5] * prompt, "chosen": [6] * chosen, "rejected": [7] * int(chosen * rng.uniform(0.8, 1.25))})
+
+    def efficiency(lengths):
+        real = total = 0
+        for batch in build_batches(len(pairs), 16, 0, 1, seed=0, epoch=0, lengths=lengths):
+            mask = collate_pairs([pairs[i] for i in batch], pad_id=0)["attention_mask"]
+            real, total = real + mask.sum().item(), total + mask.numel()
+        return real / total
+    grouped, shuffled = efficiency(pair_lengths(pairs)), efficiency(None)
+    assert grouped >= 0.9 and shuffled < 0.6, (grouped, shuffled)
 
 
 BAD_INPUTS = {
@@ -446,8 +472,10 @@ def test_tiny_run_learns_the_preference_and_exports_a_loadable_model(tmp_path):
     out = run(tmp_path, "e2e", "--max-steps", "12", "--eval-every", "6")
     train, evals = read_metrics(out), read_metrics(out, "eval")
     keys = {"step", "split", "loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-            "logps/chosen", "logps/rejected", "grad_norm", "lr", "tokens_per_s", "pairs_per_s", "elapsed_s"}
+            "logps/chosen", "logps/rejected", "grad_norm", "lr", "tokens_per_s", "pairs_per_s", "elapsed_s",
+            "padding_efficiency", "peak_mem_gb", "skipped"}
     assert [r["step"] for r in train] == list(range(1, 13)) and all(keys <= set(r) for r in train)
+    assert all(0.5 < r["padding_efficiency"] <= 1 and r["peak_mem_gb"] > 0.1 and "mfu" not in r for r in train)
     assert train[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference at the first step
     assert [r["step"] for r in evals] == [6, 12]
     assert math.log(2) > evals[0]["loss"] > evals[1]["loss"] and evals[1]["rewards/accuracies"] >= 0.9
@@ -491,27 +519,32 @@ def _record_randomness(monkeypatch):
     return draws
 
 
+# Runs compared with SIX_STEPS use its micro-batch of 8 pairs: the same forward shapes give the same rounding.
+# (A different micro-batch size, say 16, moves single weights by up to 2e-5 after 6 Adam steps, on 1 rank too.)
+SIX = ("--max-steps", "6", "--micro-batch-size", "8")
+
+
 @pytest.fixture(scope="module")
 def six_steps(tmp_path_factory):
-    """An uninterrupted 1-rank run of 6 steps, checkpointed every 2 and keeping the last 2."""
+    """An uninterrupted 1-rank run of 6 steps (2 micro-batches each), checkpointed every 2, keeping the last 2."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         draws = _record_randomness(monkeypatch)
-        out = run(tmp_path_factory.mktemp("six"), "run", "--max-steps", "6", "--save-every", "2", "--keep-last", "2")
+        out = run(tmp_path_factory.mktemp("six"), "run", *SIX, "--save-every", "2", "--keep-last", "2")
     return out, draws
 
 
-def _assert_same_run(a, b, exact=True):
+def _assert_same_run(a, b, exact=True, keys=PAIR_METRICS, weight_atol=1e-5):
     """Same per-step train and eval metrics and the same exported weights: bit for bit, or within 1e-4 / 1e-5."""
     assert [r["step"] for r in read_metrics(a)] == list(range(1, len(read_metrics(a)) + 1))
     for split in ("train", "eval"):
         rows_a, rows_b = read_metrics(a, split), read_metrics(b, split)
         assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b] and rows_a
         for x, y in zip(rows_a, rows_b):
-            for key in train_dpo._SUMMED:
+            for key in keys:
                 assert x[key] == (y[key] if exact else pytest.approx(y[key], rel=1e-4, abs=1e-6)), (split, x["step"], key)
     wa, wb = load_safetensors(os.path.join(a, "final")), load_safetensors(os.path.join(b, "final"))
     for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0 if exact else 1e-5)
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0 if exact else weight_atol)
 
 
 def test_resume_is_bit_identical_with_model_optimizer_schedule_data_and_rng(six_steps, tmp_path, monkeypatch):
@@ -529,8 +562,8 @@ def test_resume_is_bit_identical_with_model_optimizer_schedule_data_and_rng(six_
         json.dumps(r) + "\n" for r in read_metrics(full)[:5]))
     draws = _record_randomness(monkeypatch)
     (out / "checkpoints" / "latest").write_text("step-4")
-    run(tmp_path, "resumed", "--max-steps", "6", "--resume", "latest")
-    assert draws == full_draws[4:]  # torch's and Python's generators continue where they were
+    run(tmp_path, "resumed", *SIX, "--resume", "latest")
+    assert draws == full_draws[2 * 4:]  # (2 micro-batches a step) torch and Python generators continue as they were
     _assert_same_run(full, str(out))  # metrics.jsonl holds each step once, identical to the uninterrupted run
 
 
@@ -581,6 +614,42 @@ def test_resume_refuses_a_different_run_and_exports_in_the_chosen_dtype(tmp_path
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
 
 
+def test_mfu_uses_the_device_peak_for_the_precision():
+    assert device_peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12
+    assert device_peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
+    assert device_peak_flops("NVIDIA A100-SXM4-80GB", "fp32") == 19.5e12
+    assert device_peak_flops("Some Future GPU", "bf16") is None  # no guess: no mfu key
+
+
+def test_ref_precompute_matches_online_reference_and_is_cached_by_its_inputs(tmp_path, capsys):
+    train, held_out, cache = tmp_path / "train.jsonl", tmp_path / "eval.jsonl", tmp_path / "cache"
+    train.write_text("".join(json.dumps(p) + "\n" for p in load_pairs("demo")[:128]))
+    held_out.write_text("".join(json.dumps(p) + "\n" for p in load_pairs("demo:eval")[:32]))
+    data = ("--data", str(train), "--eval-data", str(held_out), *SIX)
+    online = run(tmp_path, "online", *data)
+    out = run(tmp_path, "pre", *data, "--ref", "precompute", "--cache-dir", str(cache))
+    assert "reference log-probs: computed 160 pairs" in capsys.readouterr().err
+    # The same training as with a resident reference model, up to float rounding: the reference ran on other,
+    # differently padded batches. So not the same reward accuracy at step 1, where every margin is exactly 0
+    # online and +-1e-7 here, and weights within 1e-4 after 6 Adam steps of lr 1e-3 (updates of up to 6e-3).
+    _assert_same_run(online, out, exact=False, keys=[k for k in PAIR_METRICS if k != "rewards/accuracies"],
+                     weight_atol=1e-4)
+    (name,) = os.listdir(cache)
+    table = load_safetensors_file(str(cache / name))
+    assert table["train"].shape == (128, 2) and table["eval"].shape == (32, 2) and table["train"].lt(0).all()
+    # Two ranks each fill their own rows; the sum over ranks puts every pair's values in place exactly once.
+    proc = torchrun(2, str(tmp_path / "two"), *data, "--ref", "precompute", "--cache-dir", str(tmp_path / "c2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for split, values in load_safetensors_file(str(tmp_path / "c2" / name)).items():
+        torch.testing.assert_close(values, table[split], rtol=1e-5, atol=1e-5)
+    # Reused by another run with the same inputs, and recomputed when an input changes: here the length limit.
+    run(tmp_path, "again", *data, "--ref", "precompute", "--cache-dir", str(cache))
+    assert f"{name} (cached)" in capsys.readouterr().err
+    run(tmp_path, "short", *data, "--ref", "precompute", "--cache-dir", str(cache), "--max-length", "40",
+        "--max-prompt-length", "20")
+    assert "reference log-probs: computed" in capsys.readouterr().err and len(os.listdir(cache)) == 2
+
+
 PREEMPT = """
 import os, signal, sys
 import train_dpo
@@ -603,20 +672,20 @@ def test_preempted_two_rank_run_saves_one_agreed_step_and_resumes_on_one_rank(si
     script.write_text(PREEMPT)
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           "--out-dir", str(out), "--batch-size", "16", "--warmup-steps", "2", "--max-steps", "6"]
+           "--out-dir", str(out), "--batch-size", "16", "--warmup-steps", "2", *SIX]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE})
     assert proc.returncode != 0 and "stopped by a signal after step 3" in proc.stderr, proc.stderr[-3000:]
     assert (out / "checkpoints" / "latest").read_text() == "step-3" and not (out / "final").exists()
     assert json.load(open(out / "checkpoints" / "step-3" / "trainer_state.json"))["world_size"] == 2
     assert [r["step"] for r in read_metrics(str(out))] == [1, 2, 3]
-    run(tmp_path, "run", "--max-steps", "6", "--resume", "latest")  # DCP reshards 2 ranks -> 1
+    run(tmp_path, "run", *SIX, "--resume", "latest")  # DCP reshards 2 ranks -> 1
     _assert_same_run(six_steps[0], str(out), exact=False)
 
 
 def test_one_rank_checkpoint_resumes_on_two_ranks(six_steps, tmp_path):
     full = six_steps[0]
-    proc = torchrun(2, str(tmp_path / "two"), "--max-steps", "6", "--resume", os.path.join(full, "checkpoints", "step-4"))
+    proc = torchrun(2, str(tmp_path / "two"), *SIX, "--resume", os.path.join(full, "checkpoints", "step-4"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stderr and "at step 4 (saved on 1 ranks" in proc.stderr
     for x, y in zip(read_metrics(full)[4:], read_metrics(str(tmp_path / "two")), strict=True):
@@ -645,10 +714,11 @@ def test_sigterm_from_outside_saves_the_finished_step_and_exits_promptly(tmp_pat
     assert [r["step"] for r in read_metrics(str(out))] == list(range(1, last + 2))  # no step lost or repeated
 
 
-@pytest.mark.parametrize("micro", [8, 2])  # per rank: no accumulation, and 4 accumulation steps
+@pytest.mark.parametrize("micro", [8, 2])  # on 2 ranks: no accumulation, and 4 accumulation steps
 def test_two_rank_torchrun_matches_one_rank(six_steps, tmp_path, micro):
-    one = six_steps[0]
-    proc = torchrun(2, str(tmp_path / "two"), "--max-steps", "6", "--micro-batch-size", str(micro))
+    args = ("--max-steps", "6", "--micro-batch-size", str(micro))
+    one = six_steps[0] if args == SIX else run(tmp_path, "one", *args)  # 1 rank: 2 and 8 accumulation steps
+    proc = torchrun(2, str(tmp_path / "two"), *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_same_run(one, str(tmp_path / "two"), exact=False)  # losses within 1e-4, weights within 1e-5
 
@@ -726,7 +796,7 @@ def test_nan_loss_skips_the_step_and_repeated_nans_stop_the_run(tmp_path, monkey
 
 
 # ---------------------------------------------------------------------------------------------- copyability
-CONCERN_FILES = ["loss.py", "precision.py", "fsdp_setup.py", "data.py", "checkpoint.py"]
+CONCERN_FILES = ["loss.py", "precision.py", "fsdp_setup.py", "data.py", "checkpoint.py", "metrics.py"]
 
 
 def test_concern_files_import_only_stdlib_and_torch():

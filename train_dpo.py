@@ -20,14 +20,15 @@ from typing import Annotated, Literal
 import torch
 import torch.distributed as dist
 import transformers
+import safetensors.torch
 import tyro
 
-from checkpoint import (StopRequest, check_same_run, find_checkpoint, load_checkpoint, open_log, read_trainer_state,
-                        save_checkpoint)
-from data import DataConfig, build_batches, collate_pairs, load_pairs, tokenize_pairs
-from fsdp_setup import (FSDPConfig, apply_ac, apply_fsdp, gather_full_state_dict, init_distributed, load_from_rank0,
-                        peak_host_memory_gb)
+from checkpoint import StopRequest, check_same_run, find_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
+from data import DataConfig, build_batches, collate_pairs, load_pairs, pair_lengths, tokenize_pairs
+from fsdp_setup import FSDPConfig, apply_ac, apply_fsdp, gather_full_state_dict, init_distributed, load_from_rank0
 from loss import LossConfig, preference_loss, sequence_logps
+from metrics import (PAIR_METRICS, device_peak_flops, host_memory_by_rank_gb, open_log, pair_means, pair_sums,
+                     peak_memory_gb, say, show_progress)
 from precision import PrecisionConfig, resolve_precision
 
 
@@ -40,8 +41,12 @@ class Config:
     objective: Annotated[LossConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=LossConfig)
     mixed_precision: Annotated[PrecisionConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=PrecisionConfig)
     fsdp: Annotated[FSDPConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=FSDPConfig)
-    ref: Literal["online"] = "online"
-    """How reference log-probs are obtained: online runs the frozen reference model on every batch."""
+    ref: Literal["online", "precompute"] = "online"
+    """online: a frozen reference model runs on every batch. precompute: one pass before training, with the policy's
+    own weights, caches every pair's reference log-probs in --cache-dir; no second model stays resident. Prefer
+    precompute for more than one epoch or when memory is tight."""
+    cache_dir: str = "runs/cache"
+    """Where --ref precompute keeps ref-<hash>.safetensors, reused by any run with the same model, data and settings."""
     batch_size: int = 32
     """Global preference pairs per optimizer step, over all ranks and accumulation steps."""
     micro_batch_size: int | None = None
@@ -129,23 +134,11 @@ def build_sharded(config, full_model, cfg: Config, precision, device, frozen: bo
 # ---------------------------------------------------------------------------------------------- the step
 def forward_pairs(policy, reference, batch: dict, objective: LossConfig, ref_logps: torch.Tensor | None = None) -> dict:
     """Per-pair losses, rewards and policy log-probs for one collate_pairs batch: (2B, T) [chosen; rejected].
-
-    Only the response columns go through the output layer (`logits_to_keep`), as every response starts at
-    column batch["response_start"]. ref_logps (2B,), when given, replaces running `reference`.
-    """
-    start = max(batch["response_start"] - 1, 0)  # the last prompt column scores the first response token
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
-    inputs["use_cache"] = False
-    labels = batch["labels"]
-    if "logits_to_keep" in inspect.signature(policy.forward).parameters:
-        inputs["logits_to_keep"] = labels.shape[1] - start
-        labels = labels[:, start:]  # (2B, T - start), aligned with the kept logits
+    ref_logps (2B,), when given (--ref precompute), replaces running `reference`."""
     if ref_logps is None and reference is not None:  # first, so its logits are freed before the policy's exist
         with torch.no_grad():
-            ref_logps = sequence_logps(reference(**inputs).logits, labels, objective.average_logps)
-    logits = policy(**inputs).logits  # (2B, T - start, V) in the compute dtype
-    logps = sequence_logps(logits, labels, average=objective.average_logps)  # (2B,) float32
-    chosen, rejected = logps.chunk(2)
+            ref_logps = model_logps(reference, batch, objective.average_logps)
+    chosen, rejected = model_logps(policy, batch, objective.average_logps).chunk(2)
     ref_chosen, ref_rejected = ref_logps.chunk(2) if ref_logps is not None else (None, None)
     losses, chosen_rewards, rejected_rewards = preference_loss(
         chosen, rejected, ref_chosen, ref_rejected, loss_type=objective.loss, beta=objective.beta,
@@ -154,43 +147,109 @@ def forward_pairs(policy, reference, batch: dict, objective: LossConfig, ref_log
             "chosen_logps": chosen.detach(), "rejected_logps": rejected.detach()}
 
 
+def model_logps(model, batch: dict, average: bool) -> torch.Tensor:
+    """(2B,) float32 log-probs of a collate_pairs batch's responses. As every response starts at column
+    batch["response_start"], only the columns from the one before it go through the output layer."""
+    start = max(batch["response_start"] - 1, 0)  # the last prompt column scores the first response token
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    labels = batch["labels"]
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        inputs["logits_to_keep"] = labels.shape[1] - start
+        labels = labels[:, start:]  # (2B, T - start), aligned with the kept logits
+    logits = model(**inputs, use_cache=False).logits  # (2B, T - start, V) in the compute dtype
+    return sequence_logps(logits, labels, average)
+
+
 def _to(batch: dict, device) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-_SUMMED = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-           "logps/chosen", "logps/rejected")
-
-
-def _pair_sums(out: dict, weight: torch.Tensor) -> torch.Tensor:
-    """Weighted sums over pairs of each _SUMMED metric, as one (len(_SUMMED),) tensor: no host sync."""
-    cr, rr = out["chosen_rewards"], out["rejected_rewards"]
-    per_pair = [out["losses"].detach(), cr, rr, (cr > rr).float(), cr - rr, out["chosen_logps"],
-                out["rejected_logps"]]
-    return torch.stack([(x * weight).sum() for x in per_pair])
-
-
-def _means(sums: torch.Tensor, count: float) -> dict:
-    return {k: v / count for k, v in zip(_SUMMED, sums.tolist())}
+def _sharded_batches(pairs: list, rank: int, world: int, micro: int, pad_id: int, device):
+    """Every pair once over all ranks, in disjoint strided slices: yields (indices, batch). A rank with fewer
+    pairs gets a dummy batch with no indices, so every rank makes the same number of FSDP collectives."""
+    mine = list(range(rank, len(pairs), world))
+    for b in range(math.ceil(math.ceil(len(pairs) / world) / micro)):
+        idx = mine[b * micro:(b + 1) * micro]
+        yield idx, _to(collate_pairs([pairs[i] for i in idx or [0]], pad_id), device)
 
 
 @torch.no_grad()
-def evaluate(policy, reference, pairs: list, cfg: Config, rank: int, world: int, device, pad_id: int) -> dict:
-    """Means over the whole held-out set. Ranks take disjoint strided slices; a rank with fewer pairs
-    runs a zero-weight dummy batch so every rank makes the same number of FSDP collectives."""
+def evaluate(policy, reference, pairs: list, ref_table, cfg: Config, rank: int, world: int, device,
+             pad_id: int) -> dict:
+    """Means over the whole held-out set, each pair counted once however many ranks there are."""
     policy.eval()
-    mine = list(range(rank, len(pairs), world))
-    micro = cfg.micro_batch_size
-    sums = torch.zeros(len(_SUMMED) + 1, device=device)
-    for b in range(math.ceil(math.ceil(len(pairs) / world) / micro)):
-        idx = mine[b * micro:(b + 1) * micro]
+    sums = torch.zeros(len(PAIR_METRICS) + 1, device=device)
+    for idx, batch in _sharded_batches(pairs, rank, world, cfg.micro_batch_size, pad_id, device):
         weight = torch.tensor([1.0] * len(idx) or [0.0], device=device)
-        batch = collate_pairs([pairs[i] for i in idx or [0]], pad_id)
-        out = forward_pairs(policy, reference, _to(batch, device), cfg.objective)
-        sums += torch.cat([_pair_sums(out, weight), weight.sum()[None]])
+        out = forward_pairs(policy, reference, batch, cfg.objective, _ref_rows(ref_table, idx or [0]))
+        sums += torch.cat([pair_sums(out, weight), weight.sum()[None]])
     dist.all_reduce(sums)
-    policy.train()
-    return _means(sums[:-1], sums[-1].item())
+    policy.train().reshard()  # see precompute_ref_logps
+    return pair_means(sums[:-1], sums[-1].item())
+
+
+@torch.no_grad()
+def precompute_ref_logps(model, pairs: list, cfg: Config, rank: int, world: int, device, pad_id: int):
+    """(N, 2) float32 [chosen, rejected] reference log-probs of every pair. Each row is computed by one
+    rank and is zero on the others, so the sum over ranks is exact."""
+    model.eval()
+    table = torch.zeros(len(pairs), 2, device=device)
+    for idx, batch in _sharded_batches(pairs, rank, world, cfg.micro_batch_size, pad_id, device):
+        logps = model_logps(model, batch, cfg.objective.average_logps).view(2, -1).T  # (B, 2)
+        table[idx] = logps[:len(idx)]
+    dist.all_reduce(table)
+    # FSDP2 keeps the root's parameters gathered after a forward (for the backward that usually follows): put
+    # the sharded ones back, or the optimizer and checkpoint loading would be handed the gathered copies.
+    model.train().reshard()
+    return table
+
+
+def _ref_rows(table, idx: list[int]):
+    """(2B,) [chosen; rejected] reference log-probs of pairs `idx` from a precomputed table, or None."""
+    return None if table is None else table[idx].T.reshape(-1)
+
+
+def load_or_precompute_ref(policy, train_tokens, eval_tokens, key: dict, cfg: Config, rank, world, device, pad_id):
+    """--ref precompute: reference log-probs for the train and eval sets from the policy's own (still
+    untrained) weights, cached as {cache_dir}/ref-<hash>.safetensors under a key of everything they depend on.
+    Rank 0 decides and reads the cache, then broadcasts: other nodes need not share its file system."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    path = os.path.join(cfg.cache_dir, f"ref-{digest}.safetensors")
+    hit = torch.tensor(float(rank == 0 and os.path.exists(path)), device=device)
+    dist.broadcast(hit, src=0)
+    if hit.item():
+        tables = safetensors.torch.load_file(path) if rank == 0 else {}
+        train, evals = (tables.get(k, torch.zeros(n, 2)).to(device) for k, n in
+                        (("train", len(train_tokens)), ("eval", len(eval_tokens))))
+        dist.broadcast(train, src=0)
+        dist.broadcast(evals, src=0)
+        say(f"reference log-probs: {path} (cached)")
+        return train, evals
+    t0 = time.perf_counter()
+    train = precompute_ref_logps(policy, train_tokens, cfg, rank, world, device, pad_id)
+    evals = precompute_ref_logps(policy, eval_tokens, cfg, rank, world, device, pad_id)
+    if rank == 0:
+        os.makedirs(cfg.cache_dir, exist_ok=True)
+        safetensors.torch.save_file({"train": train.cpu(), "eval": evals.cpu()}, path + ".tmp",
+                                    metadata={"key": json.dumps(key, default=str)})
+        os.replace(path + ".tmp", path)
+    say(f"reference log-probs: computed {len(train_tokens) + len(eval_tokens)} pairs in "
+        f"{time.perf_counter() - t0:.1f} s, cached at {path}")
+    return train, evals
+
+
+def _sha256(obj) -> str:
+    return hashlib.sha256(json.dumps(obj).encode()).hexdigest()
+
+
+def _model_identity(name: str, config, seed: int) -> dict:
+    """What fixes a model's initial weights: the seed for tiny; else the name, the hub commit, the weight files."""
+    if name == "tiny":
+        return {"tiny": seed, "config": config.to_dict()}
+    folder = os.path.expanduser(name)
+    files = sorted((f, os.path.getsize(os.path.join(folder, f)), os.path.getmtime(os.path.join(folder, f)))
+                   for f in os.listdir(folder) if f.endswith((".safetensors", ".bin"))) if os.path.isdir(folder) else []
+    return {"name": name, "commit": getattr(config, "_commit_hash", None), "files": files}
 
 
 def get_lr(step: int, peak: float, warmup: int, total: int) -> float:
@@ -199,23 +258,6 @@ def get_lr(step: int, peak: float, warmup: int, total: int) -> float:
         return peak * (step + 1) / (warmup + 1)
     progress = (step - warmup) / max(total - 1 - warmup, 1)
     return peak / 10 + (peak - peak / 10) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def _say(msg: str) -> None:
-    """Rank 0 prints `msg` on stderr, clearing the progress bar's line on a terminal."""
-    if (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))) == 0:
-        print(("\r\033[K" if sys.stderr.isatty() else "") + msg, file=sys.stderr, flush=True)
-
-
-def _progress(step: int, total: int, m: dict) -> None:
-    """One-line progress bar on a terminal; a line every 5% when stderr is a file."""
-    done = int(30 * step / total)
-    line = (f"step {step}/{total} [{'#' * done}{'.' * (30 - done)}] loss {m['loss']:.4f} "
-            f"acc {m['rewards/accuracies']:.2f} margin {m['rewards/margins']:.3f} {m['tokens_per_s']:.0f} tok/s")
-    if sys.stderr.isatty():
-        print("\r" + line, end="\n" if step == total else "", file=sys.stderr, flush=True)
-    elif step == total or step % max(total // 20, 1) == 0:
-        print(line, file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -235,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
         eval_spec = cfg.dataset.eval_data or ("demo:eval" if cfg.dataset.data == "demo" else None)
         eval_pairs = load_pairs(eval_spec) if eval_spec else []
     except ValueError as e:
-        _say(f"error: {e}")
+        say(f"error: {e}")
         sys.exit(2)
     rank, world, device = init_distributed()
     try:
@@ -263,14 +305,14 @@ def train(cfg: Config, train_pairs: list, eval_pairs: list, rank: int, world: in
         if steps_per_epoch == 0:
             raise ValueError(f"{cfg.dataset.data}: {len(train_tokens)} pairs, fewer than one --batch-size "
                              f"({cfg.batch_size})")
-        data_sha256 = hashlib.sha256(json.dumps(train_pairs).encode()).hexdigest()
+        data_sha256 = _sha256(train_pairs)
         ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
         resume_path = find_checkpoint(ckpt_root, cfg.resume) if cfg.resume else None
         saved = read_trainer_state(resume_path) if resume_path else None
         if saved:
             check_same_run(saved, {"config": asdict(cfg), "data_sha256": data_sha256}, _SAME_RUN)
     except ValueError as e:
-        _say(f"error: {e}")
+        say(f"error: {e}")
         return 2
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
@@ -279,10 +321,17 @@ def train(cfg: Config, train_pairs: list, eval_pairs: list, rank: int, world: in
     # -- models: only rank 0 loads the full weights; the reference is a frozen copy, sharded the same way
     full_model = load_full_model(cfg.model, config, cfg.seed) if rank == 0 else None
     policy = build_sharded(config, full_model, cfg, precision, device).train()
-    reference = None if cfg.objective.reference_free else build_sharded(config, full_model, cfg, precision, device,
-                                                                        frozen=True)
+    online_ref = not cfg.objective.reference_free and cfg.ref == "online"
+    reference = build_sharded(config, full_model, cfg, precision, device, frozen=True) if online_ref else None
     del full_model
-    rss = peak_host_memory_gb()
+    rss = host_memory_by_rank_gb()
+    ref_train = ref_eval = None
+    if not cfg.objective.reference_free and cfg.ref == "precompute":  # before any checkpoint replaces the weights
+        key = {"model": _model_identity(cfg.model, config, cfg.seed), "tokenizer": [type(tokenizer).__name__,
+               tokenizer.name_or_path, len(tokenizer)], "lengths": lengths, "average": cfg.objective.average_logps,
+               "precision": precision.name, "train": data_sha256, "eval": _sha256(eval_pairs)}
+        ref_train, ref_eval = load_or_precompute_ref(policy, train_tokens, eval_tokens, key, cfg, rank, world,
+                                                     device, pad_id)
 
     # -- optimizer: AdamW over the float32 sharded master weights; then the checkpoint, if resuming
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=cfg.weight_decay)
@@ -291,16 +340,16 @@ def train(cfg: Config, train_pairs: list, eval_pairs: list, rank: int, world: in
         same_rng = load_checkpoint(resume_path, policy, optimizer)
         if scaler and saved["scaler"]:
             scaler.load_state_dict(saved["scaler"])
-        _say(f"resumed from {resume_path} at step {start_step}" + (
+        say(f"resumed from {resume_path} at step {start_step}" + (
             "" if same_rng else f" (saved on {saved['world_size']} ranks: random generators not restored)"))
     os.makedirs(cfg.out_dir, exist_ok=True)
     metrics_file = open_log(os.path.join(cfg.out_dir, "metrics.jsonl"), start_step) if rank == 0 else None
-    _say(f"{cfg.model}: {sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M params, {world} rank(s) "
+    say(f"{cfg.model}: {sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M params, {world} rank(s) "
          f"on {device.type}, {precision.name}, {len(train_tokens)} train / {len(eval_tokens)} eval pairs, "
          f"{total_steps} steps x {cfg.batch_size} pairs ({accum} accumulation steps); peak host memory after "
          f"loading, GB by rank: {' '.join(f'{x:.2f}' for x in rss)}")
     if not eval_tokens:
-        _say("no --eval-data: evaluation skipped")
+        say("no --eval-data: evaluation skipped")
 
     def log(row: dict) -> None:
         if metrics_file:  # line-buffered: each row reaches the disk as it is written
@@ -308,9 +357,9 @@ def train(cfg: Config, train_pairs: list, eval_pairs: list, rank: int, world: in
 
     def run_eval(step: int) -> None:
         if eval_tokens:
-            m = evaluate(policy, reference, eval_tokens, cfg, rank, world, device, pad_id)
+            m = evaluate(policy, reference, eval_tokens, ref_eval, cfg, rank, world, device, pad_id)
             log({"step": step, "split": "eval", **m, "elapsed_s": time.perf_counter() - t0})
-            _say(f"eval at step {step} ({len(eval_tokens)} pairs): loss {m['loss']:.4f} reward accuracy "
+            say(f"eval at step {step} ({len(eval_tokens)} pairs): loss {m['loss']:.4f} reward accuracy "
                  f"{m['rewards/accuracies']:.3f} margin {m['rewards/margins']:.3f}")
 
     def save(step: int) -> str:
@@ -322,35 +371,40 @@ def train(cfg: Config, train_pairs: list, eval_pairs: list, rank: int, world: in
         return save_checkpoint(ckpt_root, step, policy, optimizer, extra, keep_last=cfg.keep_last)
 
     # -- loop
+    n_params = sum(p.numel() for p in policy.parameters())
+    peak_flops = device_peak_flops(torch.cuda.get_device_name(device), precision.name) if device.type == "cuda" else None
     t0 = time.perf_counter()
     stop = StopRequest()  # SIGTERM / SIGINT: finish this step, checkpoint it, exit
     batches, epoch, bad_steps = [], -1, 0
     for step in range(start_step, total_steps):
         if step // steps_per_epoch != epoch:  # the data order is a function of (seed, epoch) only
             epoch = step // steps_per_epoch
-            batches = build_batches(len(train_tokens), cfg.batch_size, rank, world, cfg.seed, epoch)
+            batches = build_batches(len(train_tokens), cfg.batch_size, rank, world, cfg.seed, epoch,
+                                    pair_lengths(train_tokens) if cfg.dataset.group_by_length else None)
         step_t0 = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = get_lr(step, lr, cfg.warmup_steps, total_steps)
         mine = batches[step % steps_per_epoch]
-        sums = torch.zeros(len(_SUMMED) + 2, device=device)  # the metrics, non-padding tokens, stop request
+        sums = torch.zeros(len(PAIR_METRICS) + 2, device=device)  # the metrics, non-padding and all tokens
         for micro in range(accum):
             idx = mine[micro * cfg.micro_batch_size:(micro + 1) * cfg.micro_batch_size]
             batch = _to(collate_pairs([train_tokens[i] for i in idx], pad_id), device)
             # Reduce-scatter gradients only once, after the last micro-batch.
             policy.set_requires_gradient_sync(micro == accum - 1)
-            out = forward_pairs(policy, reference, batch, cfg.objective)
+            out = forward_pairs(policy, reference, batch, cfg.objective, _ref_rows(ref_train, idx))
             # Per-rank sum / per-rank batch; FSDP averages over ranks: the mean over the global batch.
             loss = out["losses"].sum() / (cfg.batch_size // world)
             (scaler.scale(loss) if scaler else loss).backward()
             ones = torch.ones(len(idx), device=device)
-            sums[:-1] += torch.cat([_pair_sums(out, ones), batch["attention_mask"].sum()[None]])
+            mask = batch["attention_mask"]
+            sums += torch.cat([pair_sums(out, ones), mask.sum()[None], torch.tensor([mask.numel()], device=device)])
         if scaler:
             scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm or math.inf)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        sums[-1] = float(stop.signum > 0)
-        dist.all_reduce(sums)  # one collective per step: metrics, and whether any rank was asked to stop
+        dist.all_reduce(sums)  # one collective per step for the metrics; one more for maxima:
+        peaks = torch.tensor([peak_memory_gb(device), float(stop.signum > 0)], device=device)
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)  # the fullest rank's memory; whether any rank must stop
         # The norm and the summed loss are global, so every rank takes the same decision: a NaN or an fp16
         # overflow on any one rank skips the step everywhere, in every precision.
         skipped = not bool(torch.isfinite(grad_norm) & torch.isfinite(sums[0]))
@@ -363,37 +417,40 @@ def train(cfg: Config, train_pairs: list, eval_pairs: list, rank: int, world: in
         optimizer.zero_grad(set_to_none=True)
         bad_steps = bad_steps + 1 if skipped else 0
         dt = time.perf_counter() - step_t0
-        m = _means(sums[:-2], cfg.batch_size)
+        m = pair_means(sums[:-2], cfg.batch_size)
+        tokens = sums[-2].item()
         m.update({"grad_norm": grad_norm.item(), "lr": optimizer.param_groups[0]["lr"],
-                  "tokens_per_s": sums[-2].item() / dt, "pairs_per_s": cfg.batch_size / dt,
+                  "tokens_per_s": tokens / dt, "pairs_per_s": cfg.batch_size / dt,
+                  "padding_efficiency": tokens / sums[-1].item(), "peak_mem_gb": peaks[0].item(),
                   "elapsed_s": time.perf_counter() - t0, "skipped": skipped})
         if scaler:
             m["loss_scale"] = scaler.get_scale()
+        if peak_flops:  # model FLOPs: 6N per token for the policy's forward and backward, 2N for an online reference
+            m["mfu"] = (6 + 2 * online_ref) * n_params * tokens / dt / (world * peak_flops)
         log({"step": step + 1, "split": "train", **m})
         if skipped:
-            _say(f"step {step + 1}: non-finite loss or gradient norm, step skipped on every rank")
+            say(f"step {step + 1}: non-finite loss or gradient norm, step skipped on every rank")
         if bad_steps >= cfg.max_skipped_steps:
-            _say(f"error: stopping at step {step + 1}: {bad_steps} consecutive steps since step "
+            say(f"error: stopping at step {step + 1}: {bad_steps} consecutive steps since step "
                  f"{step + 2 - bad_steps} had a non-finite loss or gradient norm")
             return 1
-        if rank == 0:
-            _progress(step + 1, total_steps, m)
+        show_progress(step + 1, total_steps, m)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total_steps:
             run_eval(step + 1)
-        stopping = sums[-1].item() > 0
+        stopping = peaks[1].item() > 0
         if stopping or (cfg.save_every and (step + 1) % cfg.save_every == 0):
             path = save(step + 1)
         if stopping:
-            _say(f"stopped by a signal after step {step + 1}: saved {path}; continue with --resume latest")
+            say(f"stopped by a signal after step {step + 1}: saved {path}; continue with --resume latest")
             return 128 + (stop.signum or signal.SIGTERM)
     stop.restore()
 
     # -- final evaluation and export
     run_eval(total_steps)
-    rss = peak_host_memory_gb()
+    rss = host_memory_by_rank_gb()
     state = gather_full_state_dict(policy)
     if rank == 0:
-        _say("peak host memory during training, GB by rank: " + " ".join(f"{x:.2f}" for x in rss))
+        say("peak host memory during training, GB by rank: " + " ".join(f"{x:.2f}" for x in rss))
         final, dtype = os.path.join(cfg.out_dir, "final"), getattr(torch, cfg.export_dtype)
         policy.save_pretrained(final, state_dict={k: v.to(dtype) for k, v in state.items()})
         policy.config.dtype = dtype  # save_pretrained records the float32 masters' dtype; record the export's
@@ -402,7 +459,7 @@ def train(cfg: Config, train_pairs: list, eval_pairs: list, rank: int, world: in
         with open(os.path.join(final, "train_config.json"), "w") as f:
             json.dump(asdict(cfg), f, indent=2)
         metrics_file.close()
-        _say(f"saved {final}")
+        say(f"saved {final}")
     dist.barrier()
     return 0
 
