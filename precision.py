@@ -14,6 +14,7 @@ float32; only the all-gathered copy used for forward and backward takes the comp
 --reduce-dtype bf16 (with bf16 only) trades the float32 gradient reduction for half the traffic.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -69,3 +70,27 @@ def resolve_precision(config: PrecisionConfig, device: torch.device) -> Precisio
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=_DTYPES[config.reduce_dtype])
     scaler = torch.amp.GradScaler(device.type) if name == "fp16" else None
     return Precision(name=name, compute_dtype=dtype, mp_policy=policy, scaler=scaler)
+
+
+def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
+                  max_norm: float, loss_sum: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Unscale (fp16), clip the global gradient norm to max_norm (0: no clipping), then step, unless the norm
+    or `loss_sum` is not finite; zero the gradients either way. Returns (norm before clipping, skipped).
+
+    With FSDP the norm is reduced over all shards, and `loss_sum` should be reduced over ranks too: every
+    rank then takes the same decision, so a NaN or an fp16 overflow on any one rank skips the step (and
+    backs the loss scale off) on all of them.
+    """
+    if scaler:
+        scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
+    skipped = not bool(torch.isfinite(norm) & torch.isfinite(loss_sum))
+    if not skipped:
+        scaler.step(optimizer) if scaler else optimizer.step()
+        if scaler:
+            scaler.update()
+    elif scaler:
+        scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
+    optimizer.zero_grad(set_to_none=True)
+    return norm, skipped
