@@ -17,10 +17,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Annotated, Literal
 
+import safetensors.torch
 import torch
 import torch.distributed as dist
 import transformers
-import safetensors.torch
 import tyro
 
 from checkpoint import StopRequest, check_same_run, find_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
@@ -42,9 +42,8 @@ class Config:
     mixed_precision: Annotated[PrecisionConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=PrecisionConfig)
     fsdp: Annotated[FSDPConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=FSDPConfig)
     ref: Literal["online", "precompute"] = "online"
-    """online: a frozen reference model runs on every batch. precompute: one pass before training, with the policy's
-    own weights, caches every pair's reference log-probs in --cache-dir; no second model stays resident. Prefer
-    precompute for more than one epoch or when memory is tight."""
+    """online: a frozen reference model runs every batch. precompute: one pass caches all reference log-probs first
+    (no second model in memory; for >1 epoch or tight memory)."""
     cache_dir: str = "runs/cache"
     """Where --ref precompute keeps ref-<hash>.safetensors, reused by any run with the same model, data and settings."""
     batch_size: int = 32
