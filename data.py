@@ -248,6 +248,15 @@ def build_batches(n_pairs: int, batch_size: int, rank: int, world_size: int, see
     return [batch[rank * per_rank:(rank + 1) * per_rank] for batch in batches]
 
 
+def build_eval_batches(n_pairs: int, micro_batch_size: int, rank: int, world_size: int) -> list[list[int]]:
+    """This rank's pair indices per forward for a pass over every pair exactly once (evaluation, reference
+    precompute): disjoint strided slices. Every rank gets the same number of batches; a rank that runs out
+    gets empty ones, for which the caller runs a zero-weight dummy so collectives stay in step."""
+    mine = list(range(rank, n_pairs, world_size))
+    n_batches = -(-(-(-n_pairs // world_size)) // micro_batch_size)  # ceil(ceil(n / world) / micro)
+    return [mine[b * micro_batch_size:(b + 1) * micro_batch_size] for b in range(n_batches)]
+
+
 # 256 batches per mega-batch in 16 strips: 0.92 of tokens are real on pairs with prompts of 10-400 tokens and
 # responses of 20-400 (chosen and rejected within 25% of each other), against 0.53 without grouping.
 _MEGA, _STRIP = 256, 16

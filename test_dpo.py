@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import train_dpo
-from data import DataError, build_batches, collate_pairs, load_pairs, pair_lengths, tokenize_pairs
+from data import DataError, build_batches, build_eval_batches, collate_pairs, load_pairs, pair_lengths, tokenize_pairs
 from fsdp_setup import apply_ac, find_block_class, gather_full_state_dict
 from loss import preference_loss, sequence_logps
 from metrics import PAIR_METRICS, device_peak_flops
@@ -293,6 +293,13 @@ def test_build_batches_disjoint_across_ranks_and_deterministic(grouped):
     again = build_batches(1000, 8, 0, 1, seed=5, epoch=0, lengths=lengths)
     assert one == again != build_batches(1000, 8, 0, 1, seed=5, epoch=1, lengths=lengths)
     assert len(build_batches(100, 8, 0, 1, seed=5, epoch=0, lengths=lengths)) == 12  # a partial batch is dropped
+
+
+@pytest.mark.parametrize("n, micro, world", [(10, 3, 2), (5, 2, 4), (7, 4, 1), (256, 8, 3)])
+def test_eval_batches_cover_every_pair_once_in_equal_numbers_of_batches(n, micro, world):
+    batches = [build_eval_batches(n, micro, rank, world) for rank in range(world)]
+    assert len({len(b) for b in batches}) == 1 and all(len(i) <= micro for b in batches for i in b)
+    assert sorted(i for b in batches for idx in b for i in idx) == list(range(n))
 
 
 def test_length_grouping_gives_at_least_90_percent_real_tokens_on_mixed_lengths():

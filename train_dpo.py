@@ -6,6 +6,7 @@
 Reads top to bottom: config, distributed, precision, data, models, optimizer, loop, save.
 """
 
+import functools
 import hashlib
 import inspect
 import json
@@ -24,7 +25,8 @@ import transformers
 import tyro
 
 from checkpoint import StopRequest, check_same_run, find_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
-from data import DataConfig, build_batches, collate_pairs, load_pairs, pair_lengths, tokenize_pairs
+from data import (DataConfig, build_batches, build_eval_batches, collate_pairs, load_pairs, pair_lengths,
+                  tokenize_pairs)
 from fsdp_setup import FSDPConfig, apply_ac, apply_fsdp, gather_full_state_dict, init_distributed, load_from_rank0
 from loss import LossConfig, preference_loss, sequence_logps
 from metrics import (PAIR_METRICS, device_peak_flops, host_memory_by_rank_gb, open_log, pair_means, pair_sums,
@@ -155,11 +157,16 @@ def model_logps(model, batch: dict, average: bool) -> torch.Tensor:
     start = max(batch["response_start"] - 1, 0)  # the last prompt column scores the first response token
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
     labels = batch["labels"]
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+    if _takes_logits_to_keep(type(model)):
         inputs["logits_to_keep"] = labels.shape[1] - start
         labels = labels[:, start:]  # (2B, T - start), aligned with the kept logits
     logits = model(**inputs, use_cache=False).logits  # (2B, T - start, V) in the compute dtype
     return sequence_logps(logits, labels, average)
+
+
+@functools.cache
+def _takes_logits_to_keep(model_class) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
 def _to(batch: dict, device) -> dict:
@@ -167,11 +174,9 @@ def _to(batch: dict, device) -> dict:
 
 
 def _sharded_batches(pairs: list, rank: int, world: int, micro: int, pad_id: int, device):
-    """Every pair once over all ranks, in disjoint strided slices: yields (indices, batch). A rank with fewer
-    pairs gets a dummy batch with no indices, so every rank makes the same number of FSDP collectives."""
-    mine = list(range(rank, len(pairs), world))
-    for b in range(math.ceil(math.ceil(len(pairs) / world) / micro)):
-        idx = mine[b * micro:(b + 1) * micro]
+    """(indices, batch) covering every pair once over all ranks; an empty-index batch is a dummy (see
+    build_eval_batches) that keeps every rank's FSDP collectives in step."""
+    for idx in build_eval_batches(len(pairs), micro, rank, world):
         yield idx, _to(collate_pairs([pairs[i] for i in idx or [0]], pad_id), device)
 
 
