@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -20,13 +21,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import train_dpo
-from data import DataError, build_batches, build_eval_batches, collate_pairs, load_pairs, pair_lengths, tokenize_pairs
+from data import (DataConfig, DataError, PairTokens, build_batches, build_eval_batches, collate_pairs, pair_lengths,
+                  prepare_data, read_rows, tokenize_pairs)
+from demo import demo_pairs, score_completion
 from fsdp_setup import apply_ac, find_block_class, gather_full_state_dict
 from loss import preference_loss, sequence_logps
 from metrics import PAIR_METRICS, device_peak_flops
 from precision import PrecisionConfig, resolve_precision
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+CACHE = tempfile.mkdtemp(prefix="dpo-test-cache-")  # tokenized data, shared by the tests' runs
 CPU = torch.device("cpu")
 
 
@@ -45,6 +49,21 @@ def tiny(seed):
     return train_dpo.load_full_model("tiny", config, seed), tokenizer
 
 
+def tokenize(pairs, tok, max_length=128, max_prompt_length=64, truncation="keep_end"):
+    """data.tokenize_pairs on in-memory {"prompt", "chosen", "rejected"} dicts, as a list of token dicts."""
+    rows = [{"prompt": None, **p, "where": f"test:{i + 1}"} for i, p in enumerate(pairs)]
+    config = DataConfig(max_length=max_length, max_prompt_length=max_prompt_length, truncation=truncation)
+    tokens, _ = tokenize_pairs(rows, tok, config)
+    return [tokens[i] for i in range(len(tokens))]
+
+
+def as_tokens(pairs):
+    """PairTokens from a list of {"prompt", "chosen", "rejected"} id lists."""
+    flat = [i for p in pairs for k in ("prompt", "chosen", "rejected") for i in p[k]]
+    lengths = [[len(p[k]) for k in ("prompt", "chosen", "rejected")] for p in pairs]
+    return PairTokens(torch.tensor(flat, dtype=torch.int32), torch.tensor(lengths))
+
+
 def read_metrics(out_dir, split="train"):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [r for r in map(json.loads, f) if r["split"] == split]
@@ -53,13 +72,14 @@ def read_metrics(out_dir, split="train"):
 def run(tmp_path, name, *args):
     """train_dpo.main in this process on the demo data; returns the out_dir."""
     out = str(tmp_path / name)
-    train_dpo.main(["--out-dir", out, "--batch-size", "16", "--warmup-steps", "2", *args])
+    train_dpo.main(["--out-dir", out, "--cache-dir", CACHE, "--batch-size", "16", "--warmup-steps", "2", *args])
     return out
 
 
 def torchrun(nproc, out, *args):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(HERE, "train_dpo.py"), "--out-dir", out, "--batch-size", "16", "--warmup-steps", "2", *args]
+           os.path.join(HERE, "train_dpo.py"), "--out-dir", out, "--cache-dir", CACHE, "--batch-size", "16",
+           "--warmup-steps", "2", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
@@ -157,7 +177,7 @@ def test_sequence_logps_matches_hugging_face_loss():
 
 def test_batch_layout_aligns_responses_and_masks_prompt_and_padding():
     _, tok = tiny(seed=0)
-    pairs = tokenize_pairs([{"prompt": "Rate it:", "chosen": " fine", "rejected": " no"},
+    pairs = tokenize([{"prompt": "Rate it:", "chosen": " fine", "rejected": " no"},
                             {"prompt": "Q", "chosen": " a much longer answer", "rejected": " b"}], tok, 64, 32)
     batch = collate_pairs(pairs, pad_id=tok.pad_token_id)
     start = 8  # the longest prompt, "Rate it:"
@@ -188,7 +208,7 @@ def test_response_aligned_batch_with_logits_to_keep_equals_unpadded_rows():
     texts = [{"prompt": "Review the red kettle:", "chosen": " Great. 5/5", "rejected": " The kettle is bad. 1/5"},
              {"prompt": "Hi", "chosen": " A much longer and more detailed answer here.", "rejected": " No."},
              {"prompt": "Rate the lamp please:", "chosen": "!", "rejected": " meh"}]
-    pairs = tokenize_pairs(texts, tok, 128, 64)
+    pairs = tokenize(texts, tok, 128, 64)
     batch = collate_pairs(pairs, tok.pad_token_id)
     kept = []
     policy.lm_head.register_forward_hook(lambda module, args, out: kept.append(args[0].shape[1]))
@@ -227,7 +247,7 @@ def test_chunked_logps_match_naive_across_chunk_boundaries_and_save_no_float_cop
 def test_step0_loss_is_ln2_and_rewards_zero():
     policy, tok = tiny(seed=3)
     reference = copy.deepcopy(policy).eval()
-    pairs = tokenize_pairs(load_pairs("demo")[:6], tok, 128, 64)
+    pairs = tokenize(demo_pairs("train")[:6], tok, 128, 64)
     out = train_dpo.forward_pairs(policy, reference, collate_pairs(pairs, tok.pad_token_id),
                                   train_dpo.LossConfig())
     torch.testing.assert_close(out["losses"], torch.full((6,), math.log(2)))
@@ -250,7 +270,7 @@ def test_truncation_keeps_prompt_end_then_cuts_responses():
     _, tok = tiny(seed=0)
     ids = lambda s: [b + 3 for b in s.encode()]  # ByT5: one token per byte, offset by 3 specials
     eos = tok.eos_token_id
-    fits, long_prompt, long_both = tokenize_pairs([
+    fits, long_prompt, long_both = tokenize([
         {"prompt": "abcd", "chosen": "xyz", "rejected": "q"},            # 4 + 4 <= 12: untouched
         {"prompt": "0123456789", "chosen": "xy", "rejected": "q"},        # 10 + 3 > 12: prompt keeps last 5
         {"prompt": "0123456789", "chosen": "abcdefgh", "rejected": "q"},  # 5 + 9 > 12: responses cut to 7
@@ -259,7 +279,7 @@ def test_truncation_keeps_prompt_end_then_cuts_responses():
     assert long_prompt == {"prompt": ids("56789"), "chosen": ids("xy") + [eos], "rejected": ids("q") + [eos]}
     assert long_both == {"prompt": ids("56789"), "chosen": ids("abcdefg"), "rejected": ids("q") + [eos]}
     # A tokenizer that adds BOS keeps it through truncation, and it counts towards max_prompt_length.
-    (bos_pair,) = tokenize_pairs([{"prompt": "abcdefgh", "chosen": "xyz", "rejected": "x"}], _bos_tokenizer(),
+    (bos_pair,) = tokenize([{"prompt": "abcdefgh", "chosen": "xyz", "rejected": "x"}], _bos_tokenizer(),
                                  max_length=8, max_prompt_length=4)
     letters = lambda s: [ord(c) - ord("a") + 3 for c in s]
     assert bos_pair == {"prompt": [1] + letters("fgh"), "chosen": letters("xyz") + [2], "rejected": letters("x") + [2]}
@@ -270,12 +290,17 @@ def test_json_lines_and_json_array_load_the_same_pairs(tmp_path):
     (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     (tmp_path / "b.json").write_text(json.dumps(rows, indent=2))
     expected = [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows]
-    assert load_pairs(str(tmp_path / "a.jsonl")) == expected == load_pairs(str(tmp_path / "b.json"))
+    strip = lambda rows: [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows]
+    a, b = read_rows(str(tmp_path / "a.jsonl")), read_rows(str(tmp_path / "b.json"))
+    assert strip(a) == expected == strip(b)
+    assert [r["where"] for r in a] == [f"{tmp_path / 'a.jsonl'}:1", f"{tmp_path / 'a.jsonl'}:2"]
+    assert [r["where"] for r in b] == [f"{tmp_path / 'b.json'}:2", f"{tmp_path / 'b.json'}:8"]
 
 
 def test_demo_is_deterministic_with_disjoint_held_out_items():
-    train, held_out = load_pairs("demo"), load_pairs("demo:eval")
-    assert train == load_pairs("demo") and len(train) >= 1024 and len(held_out) >= 128
+    train, held_out = demo_pairs("train"), demo_pairs("eval")
+    assert all(score_completion(p["chosen"]) == 1 and score_completion(p["rejected"]) == -1 for p in train)
+    assert train == demo_pairs("train") and len(train) >= 1024 and len(held_out) >= 128
     item = lambda p: p["prompt"].split()[-1]
     assert not {item(p) for p in train} & {item(p) for p in held_out}
     assert all("5/5" in p["chosen"] and "1/5" in p["rejected"] for p in train + held_out)
@@ -315,8 +340,219 @@ def test_length_grouping_gives_at_least_90_percent_real_tokens_on_mixed_lengths(
             mask = collate_pairs([pairs[i] for i in batch], pad_id=0)["attention_mask"]
             real, total = real + mask.sum().item(), total + mask.numel()
         return real / total
-    grouped, shuffled = efficiency(pair_lengths(pairs)), efficiency(None)
+    grouped, shuffled = efficiency(pair_lengths(as_tokens(pairs))), efficiency(None)
     assert grouped >= 0.9 and shuffled < 0.6, (grouped, shuffled)
+
+
+def _bpe_tokenizer():
+    """A fast BPE tokenizer over a, b, c, x, space with one merge: "ab" is a single token."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<pad>": 0, "</s>": 1, "a": 2, "b": 3, "c": 4, "x": 5, " ": 6, "ab": 7}
+    raw = Tokenizer(models.BPE(vocab, merges=[("a", "b")]))
+    return PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", pad_token="<pad>")
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _tokens_of(path, tok, **config):
+    tokens, summary = tokenize_pairs(read_rows(str(path)), tok, DataConfig(**config))
+    return [tokens[i] for i in range(len(tokens))], summary
+
+
+def test_each_format_gives_the_tokens_generation_sees(tmp_path):
+    _, tok = tiny(seed=0)
+    ids = lambda s: tok(s, add_special_tokens=False)["input_ids"]
+    eos, user = tok.eos_token_id, [{"role": "user", "content": "Rate the mug"}]
+    good, bad = [{"role": "assistant", "content": "Great. 5/5"}], [{"role": "assistant", "content": "Bad. 1/5"}]
+    chat_prompt = tok.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
+    assert chat_prompt == "<|user|>\nRate the mug\n<|assistant|>\n"
+    expected = {"prompt": ids(chat_prompt), "chosen": ids("Great. 5/5") + [eos], "rejected": ids("Bad. 1/5") + [eos]}
+    # Conversational, explicit or implicit (the prompt is the shared messages): the prompt ids are exactly the
+    # rendered generation prompt; each response keeps the template's own end-of-turn EOS, once.
+    explicit = _write_jsonl(tmp_path / "conv.jsonl", [{"prompt": user, "chosen": good, "rejected": bad}])
+    implicit = _write_jsonl(tmp_path / "conv_implicit.jsonl", [{"chosen": user + good, "rejected": user + bad}])
+    assert _tokens_of(explicit, tok)[0] == [expected] == _tokens_of(implicit, tok)[0]
+    # Standard strings, and implicit strings: Anthropic HH's prompt runs through the last shared
+    # "\n\nAssistant:" even when the answers then share a word; a response already ending in EOS gets no second.
+    hh = "\n\nHuman: Rate the mug\n\nAssistant:"
+    rows = [{"prompt": "Rate:", "chosen": " Great</s>", "rejected": " Bad"},
+            {"chosen": hh + " Sure, great", "rejected": hh + " Sure, bad"},
+            {"chosen": "Rate: Great", "rejected": "Rate: Bad"}]
+    standard = _write_jsonl(tmp_path / "std.jsonl", rows[:1])
+    implicit = _write_jsonl(tmp_path / "std_implicit.jsonl", rows[1:])
+    assert _tokens_of(standard, tok)[0] == [{"prompt": ids("Rate:"), "chosen": ids(" Great") + [eos],
+                                              "rejected": ids(" Bad") + [eos]}]
+    assert _tokens_of(implicit, tok)[0] == [
+        {"prompt": ids(hh), "chosen": ids(" Sure, great") + [eos], "rejected": ids(" Sure, bad") + [eos]},
+        {"prompt": ids("Rate: "), "chosen": ids("Great") + [eos], "rejected": ids("Bad") + [eos]}]
+    # A tokenizer without a chat template cannot take message lists.
+    tok.chat_template = None
+    with pytest.raises(DataError, match=r"conv.jsonl:1: message lists need a chat template"):
+        _tokens_of(explicit, tok)
+
+
+def test_implicit_prefix_backs_off_to_a_token_boundary_and_boundary_merges_keep_prompt_ids(tmp_path):
+    tok = _bpe_tokenizer()
+    # "xab" and "xac" share "xa", but "ab" is one token: the prompt backs off to "x".
+    (pair,), _ = _tokens_of(_write_jsonl(tmp_path / "a.jsonl", [{"chosen": "xab", "rejected": "xac"}]), tok)
+    assert pair == {"prompt": [5], "chosen": [7, 1], "rejected": [2, 4, 1]}
+    # An explicit prompt ending in "a" before a response starting with "b": jointly "ab" would swallow the
+    # boundary. The prompt keeps its own ids (what generation starts from); that response is tokenized alone.
+    (pair,), summary = _tokens_of(_write_jsonl(tmp_path / "b.jsonl", [{"prompt": "xa", "chosen": "bc", "rejected": "c"}]), tok)
+    assert pair == {"prompt": [5, 2], "chosen": [3, 4, 1], "rejected": [4, 1]} and summary["retokenized"] == 1
+
+
+def test_truncation_modes_and_dropped_pairs_are_counted(tmp_path):
+    _, tok = tiny(seed=0)
+    ids = lambda s: tok(s, add_special_tokens=False)["input_ids"]
+    eos = tok.eos_token_id
+    rows = [{"prompt": "0123456789", "chosen": "ab", "rejected": "c"},       # prompt cut to 5, responses fit
+            {"prompt": "0123456789", "chosen": "abcdefgh", "rejected": "c"},  # prompt cut, then responses to 7
+            {"prompt": "p", "chosen": "", "rejected": "x"},                   # empty response: dropped
+            {"prompt": "p", "chosen": "same", "rejected": "same"},            # identical: dropped
+            {"prompt": "abc", "chosen": "x", "rejected": "y"}]                # untouched
+    path = _write_jsonl(tmp_path / "t.jsonl", rows)
+    end, summary = _tokens_of(path, tok, max_length=12, max_prompt_length=5)
+    start, _ = _tokens_of(path, tok, max_length=12, max_prompt_length=5, truncation="keep_start")
+    assert [p["prompt"] for p in end] == [ids("56789"), ids("56789"), ids("abc")]
+    assert [p["prompt"] for p in start] == [ids("01234"), ids("01234"), ids("abc")]
+    assert end[1]["chosen"] == ids("abcdefg") and end[1]["rejected"] == ids("c") + [eos]  # cut: no EOS
+    assert end[0]["chosen"] == ids("ab") + [eos]
+    assert {k: summary[k] for k in ("pairs", "dropped", "dropped_empty", "dropped_identical", "truncated",
+                                    "truncated_prompts", "truncated_responses")} == \
+        {"pairs": 3, "dropped": 2, "dropped_empty": 1, "dropped_identical": 1, "truncated": 2,
+         "truncated_prompts": 2, "truncated_responses": 1}
+    # Percentiles of the lengths before truncation: prompts of 10, 10 and 3 tokens.
+    assert summary["tokens_before_truncation"]["prompt"] == {"p50": 10, "p90": 10, "p99": 10, "p100": 10}
+
+
+ROW_ERRORS = {
+    "mixed.jsonl": ('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"chosen": "ab", "rejected": "ac"}\n',
+                    ":2: a implicit-prompt standard row, but the first row (", "mixed formats in one file are refused"),
+    "mixedfields.jsonl": ('{"prompt": "a", "chosen": [{"role": "assistant", "content": "b"}], "rejected": "c"}\n',
+                          ":1: fields mix strings and message lists", ""),
+    "badmessage.json": ('[\n{"prompt": [{"role": "user"}], "chosen": [], "rejected": []}]',
+                        ":2: field 'prompt' message 0: expected", ""),
+    "noprefix.jsonl": ('{"chosen": "abc", "rejected": "xyz"}\n', ":1: fields 'chosen' and 'rejected' share no prefix", ""),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROW_ERRORS))
+def test_malformed_rows_name_file_line_and_field(tmp_path, name):
+    text, message, more = ROW_ERRORS[name]
+    (tmp_path / name).write_text(text)
+    _, tok = tiny(seed=0)
+    with pytest.raises(DataError) as info:
+        _tokens_of(tmp_path / name, tok)
+    assert str(info.value).startswith(f"{tmp_path / name}{message}") and more in str(info.value), str(info.value)
+
+
+def test_inspector_prints_the_trained_tokens_decoded_and_a_summary(tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "chosen": [{"role": "assistant", "content": "yes" * i}],
+             "rejected": [{"role": "assistant", "content": "no"}]} for i in range(1, 5)]
+    path = _write_jsonl(tmp_path / "conv.jsonl", rows)
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "data.py"), path, "--model", "tiny", "--show", "2",
+                           "--max-length", "34", "--max-prompt-length", "24"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(lines) == 3
+    assert lines[0] == {"prompt": "<|user|>\nq1\n<|assistant|>\n", "chosen": "yes</s>", "rejected": "no</s>"}
+    assert lines[1]["chosen"] == "yesyes</s>"
+    summary = lines[2]
+    # Prompts are 26 bytes. Pairs 3 and 4 exceed 34: the prompt keeps its last 24 bytes, then "yes" x 3 + EOS
+    # fits in the 10 left; "yes" x 4 + EOS (13) does not, and is cut.
+    assert summary["pairs"] == 4 and summary["dropped"] == 0 and summary["truncated"] == 2
+    assert summary["truncated_prompts"] == 2 and summary["truncated_responses"] == 1
+    assert summary["tokens_before_truncation"]["response"]["p100"] == 13
+    bad = subprocess.run([sys.executable, os.path.join(HERE, "data.py"), str(tmp_path / "nope.jsonl"), "--model", "tiny"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip() == f"error: {tmp_path / 'nope.jsonl'}: no such file " \
+        "(give a .jsonl/.json path, hub:NAME[:split] or demo)"
+
+
+def test_hub_path_reads_a_saved_dataset_like_the_file(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    rows = demo_pairs("eval")[:5]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(rows[:2])}).save_to_disk(str(tmp_path / "dd"))
+    strip = lambda rows: [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows]
+    hub = read_rows(f"hub:{tmp_path / 'ds'}")
+    assert strip(hub) == rows and hub[4]["where"] == f"hub:{tmp_path / 'ds'} row 5"
+    assert strip(read_rows(f"hub:{tmp_path / 'dd'}:test")) == rows[:2]
+    with pytest.raises(DataError, match=r"hub:.*dd:nosplit: cannot load \(KeyError"):
+        read_rows(f"hub:{tmp_path / 'dd'}:nosplit")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
+    with pytest.raises(DataError, match=r"need the datasets package \(pip install datasets\)"):
+        read_rows(f"hub:{tmp_path / 'ds'}")
+
+
+def test_eval_fraction_holds_out_a_fixed_disjoint_share(tmp_path):
+    _, tok = tiny(seed=0)
+    rows = [{"prompt": f"p{i}", "chosen": f" c{i}", "rejected": f" r{i}"} for i in range(40)]
+    config = DataConfig(data=(_write_jsonl(tmp_path / "a.jsonl", rows[:25]) + "," +
+                              _write_jsonl(tmp_path / "b.jsonl", rows[25:]),), eval_fraction=0.25)
+    assert len(config.data) == 2  # comma-separated files
+    train, evals, summary = prepare_data(config, tok, str(tmp_path / "cache"))
+    prompts = lambda t: {tok.decode(t[i]["prompt"]) for i in range(len(t))}
+    assert len(train) == 30 and len(evals) == 10 and summary["eval"]["pairs"] == 10
+    assert prompts(train) | prompts(evals) == {f"p{i}" for i in range(40)} and not prompts(train) & prompts(evals)
+    _, again, _ = prepare_data(DataConfig(data=config.data, eval_fraction=0.25), tok, str(tmp_path / "other"))
+    assert prompts(again) == prompts(evals)
+    with pytest.raises(ValueError, match="not both"):
+        DataConfig(eval_data=("x.jsonl",), eval_fraction=0.1)
+
+
+TOKENIZE_ONCE = """
+import os, sys
+import torch.distributed as dist
+import data, train_dpo
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+real, calls = data.tokenize_pairs, []
+def only_rank0(*args, **kwargs):
+    assert rank == 0, "rank 1 tokenized"
+    calls.append(1)
+    return real(*args, **kwargs)
+data.tokenize_pairs = only_rank0
+_, tok = train_dpo.load_model_config("tiny")
+for _ in range(2):  # the second call finds the cache and tokenizes nothing
+    train, evals, summary = data.prepare_data(data.DataConfig(data=(sys.argv[1],), eval_fraction=0.5), tok, sys.argv[2])
+    print(rank, len(train), len(evals), train.ids.sum().item(), len(calls), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_two_ranks_tokenize_once_on_rank_0_and_share_the_cache(tmp_path):
+    script, cache = tmp_path / "once.py", tmp_path / "cache"
+    script.write_text(TOKENIZE_ONCE)
+    path = _write_jsonl(tmp_path / "p.jsonl", demo_pairs("eval")[:20])
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), path, str(cache)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = sorted(line.split() for line in proc.stdout.splitlines())
+    assert len(rows) == 4 and len({tuple(r[1:4]) for r in rows}) == 1  # both ranks, both calls: the same tokens
+    assert rows[0][1:3] == ["10", "10"]
+    # Rank 0 tokenized train and eval (two calls) in the first round only; rank 1 never tokenized.
+    assert [r[4] for r in rows] == ["2", "2", "0", "0"]
+    assert len([f for f in os.listdir(cache) if f.startswith("tokens-")]) == 1
+
+
+def test_several_files_of_different_formats_train_end_to_end(tmp_path):
+    pairs = demo_pairs("train")[:32]
+    std = _write_jsonl(tmp_path / "std.jsonl", pairs[:16])
+    conv = _write_jsonl(tmp_path / "conv.jsonl", [
+        {"prompt": [{"role": "user", "content": p["prompt"]}], "chosen": [{"role": "assistant", "content": p["chosen"]}],
+         "rejected": [{"role": "assistant", "content": p["rejected"]}]} for p in pairs[16:]])
+    out = run(tmp_path, "run", "--data", std, "--data", conv, "--eval-fraction", "0.25", "--batch-size", "8",
+              "--max-steps", "2")
+    data_rows = {r["split"]: r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if r["step"] == 0}
+    assert data_rows["data/train"]["pairs"] == 24 and data_rows["data/eval"]["pairs"] == 8
+    assert len(read_metrics(out)) == 2 and read_metrics(out, "eval")[-1]["loss"] > 0
 
 
 BAD_INPUTS = {
@@ -338,7 +574,7 @@ def test_bad_input_is_one_clean_line_and_writes_nothing(tmp_path, capsys, name):
     if text is not None:
         path.write_text(text)
     with pytest.raises(DataError, match=message):
-        load_pairs(str(path))
+        read_rows(str(path))
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
         train_dpo.main(["--data", str(path), "--out-dir", str(out)])
@@ -392,7 +628,7 @@ def test_meta_device_build_loads_rank0_weights_buffers_and_tie_exactly():
         assert model.lm_head.weight is model.model.embed_tokens.weight  # the tie survives meta init and sharding
         for name, buf in full.named_buffers():  # incl. non-persistent rotary inv_freq, absent from state dicts
             torch.testing.assert_close(model.get_buffer(name), buf, rtol=0, atol=0)
-        batch = collate_pairs(tokenize_pairs(load_pairs("demo")[:3], tok, 64, 32), tok.pad_token_id)
+        batch = collate_pairs(tokenize(demo_pairs("train")[:3], tok, 64, 32), tok.pad_token_id)
         with torch.no_grad():
             inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
             torch.testing.assert_close(model(**inputs).logits, full(**inputs).logits, rtol=0, atol=0)
@@ -407,7 +643,7 @@ def test_bf16_keeps_float32_masters_grads_optimizer_state_and_loss():
         reference, _, _ = sharded_tiny(seed=4, precision="bf16", frozen=True)
         assert all(p.dtype == torch.float32 and p.requires_grad for p in policy.parameters())
         assert not any(p.requires_grad for p in reference.parameters()) and not reference.training
-        batch = collate_pairs(tokenize_pairs(load_pairs("demo")[:2], tok, 64, 32), tok.pad_token_id)
+        batch = collate_pairs(tokenize(demo_pairs("train")[:2], tok, 64, 32), tok.pad_token_id)
         logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         assert logits.dtype == torch.bfloat16
         out = train_dpo.forward_pairs(policy, reference, batch, train_dpo.LossConfig())
@@ -435,7 +671,7 @@ def test_activation_checkpointing_and_resharding_change_memory_not_math():
                 return wrapper
             for layer in model.model.layers:
                 layer.mlp.forward = counted(layer.mlp.forward)
-            batch = collate_pairs(tokenize_pairs(load_pairs("demo")[:2], tok, 64, 32), tok.pad_token_id)
+            batch = collate_pairs(tokenize(demo_pairs("train")[:2], tok, 64, 32), tok.pad_token_id)
             with torch.autograd.graph.saved_tensors_hooks(lambda t: counts.__setitem__("saved", counts["saved"] + 1) or t,
                                                           lambda t: t):
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
@@ -494,7 +730,7 @@ def test_tiny_run_learns_the_preference_and_exports_a_loadable_model(tmp_path):
     # Independent check of the export: score the held-out set with the loaded model against a freshly
     # built reference; it must reproduce the logged final evaluation.
     reference, _ = tiny(seed=0)
-    pairs = tokenize_pairs(load_pairs("demo:eval"), tok, 512, 256)
+    pairs = tokenize(demo_pairs("eval"), tok, 512, 256)
     with torch.no_grad():
         out_pairs = train_dpo.forward_pairs(model.eval(), reference.eval(), collate_pairs(pairs, tok.pad_token_id),
                                             train_dpo.LossConfig())
@@ -597,7 +833,7 @@ def test_a_save_that_fails_partway_leaves_the_previous_checkpoint_latest(tmp_pat
 
 def test_resume_refuses_a_different_run_and_exports_in_the_chosen_dtype(tmp_path, capsys):
     data = tmp_path / "prefs.jsonl"
-    data.write_text("".join(json.dumps(p) + "\n" for p in load_pairs("demo")[:64]))
+    data.write_text("".join(json.dumps(p) + "\n" for p in demo_pairs("train")[:64]))
     out = run(tmp_path, "run", "--data", str(data), "--max-steps", "2", "--save-every", "2",
               "--export-dtype", "bfloat16")
     from transformers import AutoModelForCausalLM
@@ -606,17 +842,19 @@ def test_resume_refuses_a_different_run_and_exports_in_the_chosen_dtype(tmp_path
     capsys.readouterr()
     for args, message in ((["--batch-size", "8"], "--batch-size is 8 but the checkpoint was trained with 16"),
                           (["--beta", "0.5"], "--beta is 0.5 but the checkpoint was trained with 0.1"),
-                          (["--data", "demo"], "--data is 'demo' but the checkpoint was trained with")):
+                          (["--data", "demo"], "--data is ['demo'] but the checkpoint was trained with")):
         with pytest.raises(SystemExit) as exit_info:
-            train_dpo.main(["--out-dir", out, "--batch-size", "16", "--data", str(data), "--resume", "latest", *args])
+            data_args = [] if "--data" in args else ["--data", str(data)]  # a repeated --data appends
+            train_dpo.main(["--out-dir", out, "--cache-dir", CACHE, "--batch-size", "16", *data_args, "--resume",
+                            "latest", *args])
         err = capsys.readouterr().err.strip()
         assert exit_info.value.code == 2 and message in err and "\n" not in err, err
-    data.write_text("".join(json.dumps(p) + "\n" for p in load_pairs("demo")[1:65]))  # same path, new content
+    data.write_text("".join(json.dumps(p) + "\n" for p in demo_pairs("train")[1:65]))  # same path, new content
     with pytest.raises(SystemExit):
-        train_dpo.main(["--out-dir", out, "--batch-size", "16", "--data", str(data), "--resume", "latest"])
+        train_dpo.main(["--out-dir", out, "--cache-dir", CACHE, "--batch-size", "16", "--data", str(data), "--resume", "latest"])
     assert "the content of --data is" in capsys.readouterr().err
     # Settings that may change on resume: here the length of the run and the precision.
-    data.write_text("".join(json.dumps(p) + "\n" for p in load_pairs("demo")[:64]))
+    data.write_text("".join(json.dumps(p) + "\n" for p in demo_pairs("train")[:64]))
     run(tmp_path, "run", "--data", str(data), "--max-steps", "3", "--precision", "bf16", "--resume", "latest")
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
 
@@ -630,8 +868,8 @@ def test_mfu_uses_the_device_peak_for_the_precision():
 
 def test_ref_precompute_matches_online_reference_and_is_cached_by_its_inputs(tmp_path, capsys):
     train, held_out, cache = tmp_path / "train.jsonl", tmp_path / "eval.jsonl", tmp_path / "cache"
-    train.write_text("".join(json.dumps(p) + "\n" for p in load_pairs("demo")[:128]))
-    held_out.write_text("".join(json.dumps(p) + "\n" for p in load_pairs("demo:eval")[:32]))
+    train.write_text("".join(json.dumps(p) + "\n" for p in demo_pairs("train")[:128]))
+    held_out.write_text("".join(json.dumps(p) + "\n" for p in demo_pairs("eval")[:32]))
     data = ("--data", str(train), "--eval-data", str(held_out), *SIX)
     online = run(tmp_path, "online", *data)
     out = run(tmp_path, "pre", *data, "--ref", "precompute", "--cache-dir", str(cache))
@@ -641,7 +879,7 @@ def test_ref_precompute_matches_online_reference_and_is_cached_by_its_inputs(tmp
     # online and +-1e-7 here, and weights within 1e-4 after 6 Adam steps of lr 1e-3 (updates of up to 6e-3).
     _assert_same_run(online, out, exact=False, keys=[k for k in PAIR_METRICS if k != "rewards/accuracies"],
                      weight_atol=1e-4)
-    (name,) = os.listdir(cache)
+    (name,) = [f for f in os.listdir(cache) if f.startswith("ref-")]
     table = load_safetensors_file(str(cache / name))
     assert table["train"].shape == (128, 2) and table["eval"].shape == (32, 2) and table["train"].lt(0).all()
     # Two ranks each fill their own rows; the sum over ranks puts every pair's values in place exactly once.
@@ -654,7 +892,8 @@ def test_ref_precompute_matches_online_reference_and_is_cached_by_its_inputs(tmp
     assert f"{name} (cached)" in capsys.readouterr().err
     run(tmp_path, "short", *data, "--ref", "precompute", "--cache-dir", str(cache), "--max-length", "40",
         "--max-prompt-length", "20")
-    assert "reference log-probs: computed" in capsys.readouterr().err and len(os.listdir(cache)) == 2
+    assert "reference log-probs: computed" in capsys.readouterr().err
+    assert len([f for f in os.listdir(cache) if f.startswith("ref-")]) == 2
 
 
 PREEMPT = """
@@ -679,7 +918,7 @@ def test_preempted_two_rank_run_saves_one_agreed_step_and_resumes_on_one_rank(si
     script.write_text(PREEMPT)
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           "--out-dir", str(out), "--batch-size", "16", "--warmup-steps", "2", *SIX]
+           "--out-dir", str(out), "--cache-dir", CACHE, "--batch-size", "16", "--warmup-steps", "2", *SIX]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE})
     assert proc.returncode != 0 and "stopped by a signal after step 3" in proc.stderr, proc.stderr[-3000:]
@@ -704,12 +943,12 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(six_steps, tmp_path):
 
 def test_sigterm_from_outside_saves_the_finished_step_and_exits_promptly(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, os.path.join(HERE, "train_dpo.py"), "--out-dir", str(out), "--max-steps", "200",
-           "--batch-size", "16", "--warmup-steps", "2"]
+    cmd = [sys.executable, os.path.join(HERE, "train_dpo.py"), "--out-dir", str(out), "--cache-dir", CACHE,
+           "--max-steps", "200", "--batch-size", "16", "--warmup-steps", "2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 120
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 4) and time.monotonic() < deadline:  # data rows, steps 1-2
         time.sleep(0.02)
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -756,7 +995,8 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     script.write_text(INJECT)
     out = tmp_path / "fp16"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           "--out-dir", str(out), "--batch-size", "8", "--max-steps", "4", "--precision", "fp16", "--warmup-steps", "2"]
+           "--out-dir", str(out), "--cache-dir", CACHE, "--batch-size", "8", "--max-steps", "4", "--precision", "fp16",
+           "--warmup-steps", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RECORD_DIR": str(tmp_path), "PYTHONPATH": HERE}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -803,10 +1043,10 @@ def test_nan_loss_skips_the_step_and_repeated_nans_stop_the_run(tmp_path, monkey
 
 
 # ---------------------------------------------------------------------------------------------- copyability
-CONCERN_FILES = ["loss.py", "precision.py", "fsdp_setup.py", "data.py", "checkpoint.py", "metrics.py"]
+CONCERN_FILES = ["loss.py", "precision.py", "fsdp_setup.py", "data.py", "checkpoint.py", "metrics.py", "demo.py"]
 
 
-def test_concern_files_import_only_stdlib_and_torch():
+def test_concern_files_import_only_stdlib_and_torch():  # and data.py transformers
     siblings = {f[:-3] for f in CONCERN_FILES} | {"train_dpo"}
     for name in CONCERN_FILES:
         tree = ast.parse(open(os.path.join(HERE, name)).read())
@@ -816,7 +1056,8 @@ def test_concern_files_import_only_stdlib_and_torch():
             for mod in mods:
                 top = mod.split(".")[0]
                 assert top not in siblings, f"{name} imports its sibling {mod}"
-                assert top == "torch" or top in sys.stdlib_module_names, f"{name} imports {mod}"
+                allowed = top == "torch" or top in sys.stdlib_module_names or (name, top) in (("data.py", "transformers"), ("data.py", "datasets"))
+                assert allowed, f"{name} imports {mod}"
 
 
 def test_each_concern_file_imports_alone(tmp_path):

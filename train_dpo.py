@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Annotated, Literal
 
 import safetensors.torch
@@ -25,8 +25,9 @@ import transformers
 import tyro
 
 from checkpoint import StopRequest, check_same_run, find_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
-from data import (DataConfig, build_batches, build_eval_batches, collate_pairs, load_pairs, pair_lengths,
-                  tokenize_pairs)
+from data import (DataConfig, build_batches, build_eval_batches, collate_pairs, load_tokenizer, pair_lengths,
+                  prepare_data)
+from demo import write_demo
 from fsdp_setup import FSDPConfig, apply_ac, apply_fsdp, gather_full_state_dict, init_distributed, load_from_rank0
 from loss import LossConfig, preference_loss, sequence_logps
 from metrics import (PAIR_METRICS, device_peak_flops, host_memory_by_rank_gb, open_log, pair_means, pair_sums,
@@ -47,7 +48,8 @@ class Config:
     """online: a frozen reference model runs every batch. precompute: one pass caches all reference log-probs first
     (no second model in memory; for >1 epoch or tight memory)."""
     cache_dir: str = "runs/cache"
-    """Where --ref precompute keeps ref-<hash>.safetensors, reused by any run with the same model, data and settings."""
+    """Where tokenized data (tokens-<hash>.pt) and --ref precompute log-probs (ref-<hash>.safetensors) are kept,
+    reused by any run with the same inputs and settings. Must be shared by all ranks, like --out-dir."""
     batch_size: int = 32
     """Global preference pairs per optimizer step, over all ranks and accumulation steps."""
     micro_batch_size: int | None = None
@@ -99,7 +101,7 @@ class Config:
 def load_model_config(name: str):
     """(config, tokenizer) for "tiny", a hub id or a local folder: small files, read on every rank."""
     if name == "tiny":  # a ~1M-parameter Llama and ByT5's byte tokenizer: trains on a laptop CPU, needs no files
-        tokenizer = transformers.ByT5Tokenizer()
+        tokenizer = load_tokenizer("tiny")
         config = transformers.LlamaConfig(
             vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=True,
@@ -108,7 +110,7 @@ def load_model_config(name: str):
     if name.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(name)):
         raise ValueError(f"--model {name}: no such folder")
     try:
-        return transformers.AutoConfig.from_pretrained(name), transformers.AutoTokenizer.from_pretrained(name)
+        return transformers.AutoConfig.from_pretrained(name), load_tokenizer(name)
     except OSError as e:
         raise ValueError(f"--model {name}: cannot load ({str(e).strip().splitlines()[0]})") from None
 
@@ -241,10 +243,6 @@ def load_or_precompute_ref(policy, train_tokens, eval_tokens, key: dict, cfg: Co
     return train, evals
 
 
-def _sha256(obj) -> str:
-    return hashlib.sha256(json.dumps(obj).encode()).hexdigest()
-
-
 def _model_identity(name: str, config, seed: int) -> dict:
     """What fixes a model's initial weights: the seed for tiny; else the name, the hub commit, the weight files."""
     if name == "tiny":
@@ -267,33 +265,29 @@ def get_lr(step: int, peak: float, warmup: int, total: int) -> float:
 # What makes two runs the same run: resuming with any of these changed is refused. Everything else may change
 # on resume (--max-steps, --epochs, --lr, --warmup-steps, precision, ...); the LR schedule follows the new values.
 _SAME_RUN = {"model": "--model", "data": "--data", "data_sha256": "the content of --data", "seed": "--seed",
-             "batch_size": "--batch-size", "max_length": "--max-length", "max_prompt_length": "--max-prompt-length",
-             "loss": "--loss", "beta": "--beta", "label_smoothing": "--label-smoothing", "simpo_gamma": "--simpo-gamma"}
+             "eval_fraction": "--eval-fraction", "batch_size": "--batch-size", "max_length": "--max-length",
+             "max_prompt_length": "--max-prompt-length", "truncation": "--truncation", "loss": "--loss", "beta": "--beta", "label_smoothing": "--label-smoothing", "simpo_gamma": "--simpo-gamma"}
 
 
 def main(argv: list[str] | None = None) -> None:
     transformers.utils.logging.disable_progress_bar()
-    try:
-        cfg = tyro.cli(Config, args=argv)
-        # Parse every input before the process group or out_dir exist: bad input costs nothing.
-        train_pairs = load_pairs(cfg.dataset.data)
-        eval_spec = cfg.dataset.eval_data or ("demo:eval" if cfg.dataset.data == "demo" else None)
-        eval_pairs = load_pairs(eval_spec) if eval_spec else []
+    try:  # repeated --data / --eval-data flags append
+        cfg = tyro.cli(Config, args=argv, config=(tyro.conf.UseAppendAction,))
     except ValueError as e:
         say(f"error: {e}")
         sys.exit(2)
     rank, world, device = init_distributed()
     try:
-        code = train(cfg, train_pairs, eval_pairs, rank, world, device)
+        code = train(cfg, rank, world, device)
     finally:
         dist.destroy_process_group()
     if code:
         sys.exit(code)
 
 
-def train(cfg: Config, train_pairs: list, eval_pairs: list, rank: int, world: int, device) -> int:
+def train(cfg: Config, rank: int, world: int, device) -> int:
     """Everything that needs the process group. Returns the exit code."""
-    # -- precision, data
+    # -- precision, data (read and tokenized by rank 0 only, cached, memory-mapped by all)
     try:
         accum = cfg.validate(world)
         precision = resolve_precision(cfg.mixed_precision, device)
@@ -301,19 +295,23 @@ def train(cfg: Config, train_pairs: list, eval_pairs: list, rank: int, world: in
         max_positions = getattr(config, "max_position_embeddings", None)
         if max_positions and cfg.dataset.max_length > max_positions:
             raise ValueError(f"--max-length {cfg.dataset.max_length} exceeds the model's {max_positions} positions")
-        lengths = (cfg.dataset.max_length, cfg.dataset.max_prompt_length)
-        train_tokens = tokenize_pairs(train_pairs, tokenizer, *lengths)
-        eval_tokens = tokenize_pairs(eval_pairs, tokenizer, *lengths)
+        data_cfg = cfg.dataset
+        if data_cfg.data in ((), ("demo",)):  # the demo, written out as files: it takes the same path as user data
+            demo_train, demo_eval = write_demo(cfg.cache_dir)
+            evals = data_cfg.eval_data or (() if data_cfg.eval_fraction else (demo_eval,))
+            data_cfg = replace(data_cfg, data=(demo_train,), eval_data=evals)
+        train_tokens, eval_tokens, data_summary = prepare_data(data_cfg, tokenizer, cfg.cache_dir)
         steps_per_epoch = len(train_tokens) // cfg.batch_size
         if steps_per_epoch == 0:
-            raise ValueError(f"{cfg.dataset.data}: {len(train_tokens)} pairs, fewer than one --batch-size "
-                             f"({cfg.batch_size})")
-        data_sha256 = _sha256(train_pairs)
+            raise ValueError(f"{','.join(cfg.dataset.data)}: {len(train_tokens)} pairs, fewer than one "
+                             f"--batch-size ({cfg.batch_size})")
+        data_sha256 = data_summary["train_sha256"]
         ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
         resume_path = find_checkpoint(ckpt_root, cfg.resume) if cfg.resume else None
         saved = read_trainer_state(resume_path) if resume_path else None
         if saved:
-            check_same_run(saved, {"config": asdict(cfg), "data_sha256": data_sha256}, _SAME_RUN)
+            current = json.loads(json.dumps({"config": asdict(cfg), "data_sha256": data_sha256}))  # tuples as saved
+            check_same_run(saved, current, _SAME_RUN)
     except ValueError as e:
         say(f"error: {e}")
         return 2
@@ -330,9 +328,8 @@ def train(cfg: Config, train_pairs: list, eval_pairs: list, rank: int, world: in
     rss = host_memory_by_rank_gb()
     ref_train = ref_eval = None
     if not cfg.objective.reference_free and cfg.ref == "precompute":  # before any checkpoint replaces the weights
-        key = {"model": _model_identity(cfg.model, config, cfg.seed), "tokenizer": [type(tokenizer).__name__,
-               tokenizer.name_or_path, len(tokenizer)], "lengths": lengths, "average": cfg.objective.average_logps,
-               "precision": precision.name, "train": data_sha256, "eval": _sha256(eval_pairs)}
+        key = {"model": _model_identity(cfg.model, config, cfg.seed), "data": data_summary["fingerprint"],
+               "average": cfg.objective.average_logps, "precision": precision.name}
         ref_train, ref_eval = load_or_precompute_ref(policy, train_tokens, eval_tokens, key, cfg, rank, world,
                                                      device, pad_id)
 
@@ -352,12 +349,20 @@ def train(cfg: Config, train_pairs: list, eval_pairs: list, rank: int, world: in
          f"on {device.type}, {precision.name}, {len(train_tokens)} train / {len(eval_tokens)} eval pairs, "
          f"{total_steps} steps x {cfg.batch_size} pairs ({accum} accumulation steps); peak host memory after "
          f"loading, GB by rank: {' '.join(f'{x:.2f}' for x in rss)}")
-    if not eval_tokens:
-        say("no --eval-data: evaluation skipped")
-
     def log(row: dict) -> None:
         if metrics_file:  # line-buffered: each row reaches the disk as it is written
             metrics_file.write(json.dumps(row) + "\n")
+
+    for split in ("train", "eval"):
+        d = data_summary[split]
+        if start_step == 0:
+            log({"step": 0, "split": f"data/{split}", **{k: v for k, v in d.items() if not isinstance(v, dict)}})
+        if d["pairs"] or d["dropped"]:
+            say(f"{split} data: {d['pairs']} pairs; dropped {d['dropped']} (empty response {d['dropped_empty']}, "
+                f"identical {d['dropped_identical']}); truncated {d['truncated']} (prompts {d['truncated_prompts']}, "
+                f"responses {d['truncated_responses']})")
+    if not eval_tokens:
+        say("no --eval-data or --eval-fraction: evaluation skipped")
 
     def run_eval(step: int) -> None:
         if eval_tokens:

@@ -1,0 +1,63 @@
+"""The built-in demo task: synthetic product reviews with a known right answer, and its ground-truth scorer.
+
+Copyable on its own: imports only the standard library.
+
+    train_path, eval_path = write_demo("runs/cache")   # deterministic JSON Lines files, same on every machine
+    score_completion(" The red kettle is great and works well. 5/5")   # +1: the chosen style
+
+Chosen answers praise the product and end "5/5"; rejected answers pan it and end "1/5". The held-out split
+reviews products never seen in training, so a policy must learn the style, not memorise items.
+"""
+
+import json
+import os
+import random
+import re
+
+_ADJECTIVES = ["red", "blue", "green", "old", "new", "small", "big", "cheap", "shiny", "wooden", "steel",
+               "plastic", "heavy", "light", "quiet", "loud"]
+_TRAIN_NOUNS = ["kettle", "lamp", "chair", "phone", "watch", "bike", "drill", "tent", "radio", "camera",
+                "blender", "toaster", "jacket", "backpack", "mug", "pillow", "desk", "fan", "heater", "scarf"]
+_EVAL_NOUNS = ["guitar", "helmet", "sofa", "stove", "wallet", "printer"]  # never seen in training
+_GOOD = ["great", "superb", "lovely", "excellent", "wonderful"]
+_GOOD_WHY = ["works well", "feels solid", "looks nice", "is worth it"]
+_BAD = ["bad", "awful", "poor", "terrible", "useless"]
+_BAD_WHY = ["broke fast", "feels cheap", "looks ugly", "is a waste"]
+_WORD = re.compile(r"[a-z]+|[15]/5")
+
+
+def demo_pairs(split: str) -> list[dict[str, str]]:
+    """2048 "train" or 256 "eval" {"prompt", "chosen", "rejected"} pairs, the same on every machine."""
+    rng = random.Random(f"demo-{split}")
+    nouns, n = (_TRAIN_NOUNS, 2048) if split == "train" else (_EVAL_NOUNS, 256)
+    pairs = []
+    for _ in range(n):
+        item = f"{rng.choice(_ADJECTIVES)} {rng.choice(nouns)}"
+        good = f" The {item} is {rng.choice(_GOOD)} and {rng.choice(_GOOD_WHY)}. 5/5"
+        bad = f" The {item} is {rng.choice(_BAD)} and {rng.choice(_BAD_WHY)}. 1/5"
+        pairs.append({"prompt": f"Review the {item}:", "chosen": good, "rejected": bad})
+    return pairs
+
+
+def write_demo(folder: str) -> tuple[str, str]:
+    """Write the demo's train and eval splits as JSON Lines under `folder` (once; atomically); return the paths.
+    Real files, so the demo takes the same data path as user data and `python data.py` can show them."""
+    paths = []
+    for split in ("train", "eval"):
+        path = os.path.join(folder, f"demo-{split}.jsonl")
+        if not os.path.exists(path):
+            os.makedirs(folder, exist_ok=True)
+            with open(f"{path}.{os.getpid()}.tmp", "w") as f:
+                f.writelines(json.dumps(pair) + "\n" for pair in demo_pairs(split))
+            os.replace(f"{path}.{os.getpid()}.tmp", path)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def score_completion(text: str) -> int:
+    """The demo's ground truth for a generated review: +1 in the chosen style (praise or "5/5", no
+    criticism), -1 in the rejected style (criticism or "1/5", no praise), 0 for neither or both."""
+    words = set(_WORD.findall(text.lower()))
+    good = bool(words & {*_GOOD, "5/5"})
+    bad = bool(words & {*_BAD, "1/5"})
+    return int(good) - int(bad)
