@@ -45,7 +45,8 @@ _PERCENTILES = (50, 90, 99, 100)
 @dataclass
 class DataConfig:
     data: tuple[str, ...] = ()
-    """Training pairs: .jsonl/.json files or hub:NAME[:split] (needs the datasets package); none: the built-in demo.
+    """Training pairs: .jsonl/.json files or hub:NAME[:split] (needs the datasets package); none: the built-in demo
+    (demo:sft: its reviews with coin-flip labels, for an SFT stage that learns both styles).
     Repeat the flag or separate with commas for several."""
     eval_data: tuple[str, ...] = ()
     """Held-out pairs, same forms. Default: the demo's held-out split with the demo, else --eval-fraction."""

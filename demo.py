@@ -2,7 +2,7 @@
 
 Copyable on its own: imports only the standard library.
 
-    train_path, eval_path = write_demo("runs/cache")   # deterministic JSON Lines files, same on every machine
+    train, held_out, sft = write_demo("runs/cache")    # deterministic JSON Lines files, same on every machine
     score_completion(" The red kettle is great and works well. 5/5")   # +1: the chosen style
 
 Chosen answers praise the product and end "5/5"; rejected answers pan it and end "1/5". The held-out split
@@ -27,23 +27,27 @@ _WORD = re.compile(r"[a-z]+|[15]/5")
 
 
 def demo_pairs(split: str) -> list[dict[str, str]]:
-    """2048 "train" or 256 "eval" {"prompt", "chosen", "rejected"} pairs, the same on every machine."""
+    """2048 "train" or 256 "eval" {"prompt", "chosen", "rejected"} pairs, the same on every machine. "sft" is
+    the train split with a coin flip deciding which review is "chosen": SFT on it gives a model that writes
+    both styles, as a base model would, which DPO on "train" then moves toward praise."""
     rng = random.Random(f"demo-{split}")
-    nouns, n = (_TRAIN_NOUNS, 2048) if split == "train" else (_EVAL_NOUNS, 256)
+    nouns, n = (_EVAL_NOUNS, 256) if split == "eval" else (_TRAIN_NOUNS, 2048)
     pairs = []
     for _ in range(n):
         item = f"{rng.choice(_ADJECTIVES)} {rng.choice(nouns)}"
         good = f" The {item} is {rng.choice(_GOOD)} and {rng.choice(_GOOD_WHY)}. 5/5"
         bad = f" The {item} is {rng.choice(_BAD)} and {rng.choice(_BAD_WHY)}. 1/5"
+        if split == "sft" and rng.random() < 0.5:
+            good, bad = bad, good
         pairs.append({"prompt": f"Review the {item}:", "chosen": good, "rejected": bad})
     return pairs
 
 
-def write_demo(folder: str) -> tuple[str, str]:
-    """Write the demo's train and eval splits as JSON Lines under `folder` (once; atomically); return the paths.
-    Real files, so the demo takes the same data path as user data and `python data.py` can show them."""
+def write_demo(folder: str) -> tuple[str, str, str]:
+    """Write the demo's train, eval and sft splits as JSON Lines under `folder` (once; atomically); return the
+    paths. Real files, so the demo takes the same data path as user data and `python data.py` can show them."""
     paths = []
-    for split in ("train", "eval"):
+    for split in ("train", "eval", "sft"):
         path = os.path.join(folder, f"demo-{split}.jsonl")
         if not os.path.exists(path):
             os.makedirs(folder, exist_ok=True)
@@ -51,7 +55,7 @@ def write_demo(folder: str) -> tuple[str, str]:
                 f.writelines(json.dumps(pair) + "\n" for pair in demo_pairs(split))
             os.replace(f"{path}.{os.getpid()}.tmp", path)
         paths.append(path)
-    return paths[0], paths[1]
+    return paths[0], paths[1], paths[2]
 
 
 def score_completion(text: str) -> int:

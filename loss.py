@@ -10,31 +10,48 @@ References
 - Hinge (SLiC): Zhao et al. 2023, "SLiC-HF", https://arxiv.org/abs/2305.10425 (Eq. 2, with delta = 1).
 - Robust DPO: Chowdhury et al. 2024, "Provably Robust DPO", https://arxiv.org/abs/2403.00409 (Eq. 8).
 - SimPO: Meng et al. 2024, "SimPO", https://arxiv.org/abs/2405.14734 (Eq. 6).
+- EXO: Ji et al. 2024, "Towards Efficient Exact Optimization of LM Alignment", https://arxiv.org/abs/2402.00856 (Eq. 16).
+- NCA: Chen et al. 2024, "Noise Contrastive Alignment", https://arxiv.org/abs/2402.05369.
+- BCO: Jung et al. 2024, "Binary Classifier Optimization", https://arxiv.org/abs/2404.04656.
+- SPPO: Wu et al. 2024, "Self-Play Preference Optimization", https://arxiv.org/abs/2405.00675.
+- APO: D'Oosterlinck et al. 2024, "Anchored Preference Optimization", https://arxiv.org/abs/2408.06266.
+- DiscoPOP: Lu et al. 2024, "Discovering Preference Optimization Algorithms", https://arxiv.org/abs/2406.08414 (Eq. 5).
+- AOT: Melnyk et al. 2024, "Distributional Preference Alignment via Optimal Transport",
+  https://arxiv.org/abs/2406.05882.
+- Length-normalised DPO: Lambert et al. 2024, "Tulu 3", https://arxiv.org/abs/2411.15124.
+- RPO (DPO + NLL): Pang et al. 2024, "Iterative Reasoning Preference Optimization", https://arxiv.org/abs/2404.19733.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 
-LossType = Literal["dpo", "ipo", "hinge", "robust", "simpo"]
+LossType = Literal["dpo", "ipo", "hinge", "robust", "simpo", "exo_pair", "nca_pair", "bco_pair", "sppo_hard",
+                   "apo_zero", "apo_down", "discopop", "aot", "aot_pair", "dpo_norm", "sft"]
 IGNORE_INDEX = -100
 
-_REFERENCE_FREE = {"simpo"}  # losses that never look at a reference model
-_AVERAGED = {"simpo"}  # losses defined on length-averaged log-probs
+_REFERENCE_FREE = {"simpo", "sft"}  # losses that never look at a reference model
+_AVERAGED = {"simpo", "dpo_norm"}  # losses defined on length-averaged log-probs
 
 
 @dataclass
 class LossConfig:
     loss: LossType = "dpo"
-    """Preference loss: dpo (cDPO when --label-smoothing > 0), ipo, hinge, robust, or simpo (reference-free)."""
+    """dpo (cDPO when --label-smoothing > 0), one of the DPO family (see loss.py), or sft: the chosen responses'
+    token-mean negative log-likelihood (no reference). simpo and sft are reference-free."""
     beta: float = 0.1
     """Inverse temperature: how far the policy may move from the reference (DPO's beta)."""
     label_smoothing: float = 0.0
     """Assumed share of flipped preference labels, in [0, 0.5): cDPO for dpo, the noise rate for robust."""
     simpo_gamma: float = 0.5
     """SimPO's target reward margin (gamma), used only with --loss simpo."""
+    discopop_tau: float = 0.05
+    """DiscoPOP's temperature of the mix between its logistic and exponential parts, only with --loss discopop."""
+    sft_weight: float = 0.0
+    """Add this times the chosen responses' token-mean NLL to the preference loss (RPO's alpha); 0 disables."""
 
     def __post_init__(self):
         if self.loss not in get_args(LossType):
@@ -43,6 +60,11 @@ class LossConfig:
             raise ValueError(f"--beta must be > 0, got {self.beta}")
         if not 0 <= self.label_smoothing < 0.5:
             raise ValueError(f"--label-smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.sft_weight < 0 or (self.sft_weight and self.loss == "sft"):
+            raise ValueError(f"--sft-weight must be >= 0 and goes with a preference --loss, got {self.sft_weight} "
+                             f"with --loss {self.loss}")
+        if not self.discopop_tau > 0:
+            raise ValueError(f"--discopop-tau must be > 0, got {self.discopop_tau}")
 
     @property
     def reference_free(self) -> bool:
@@ -124,18 +146,33 @@ def preference_loss(
     beta: float = LossConfig.beta,
     label_smoothing: float = LossConfig.label_smoothing,
     simpo_gamma: float = LossConfig.simpo_gamma,
+    discopop_tau: float = LossConfig.discopop_tau,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair preference losses and implicit rewards.
 
-    All log-prob arguments are (B,) (summed, or averaged for simpo). The reference ones may be None for a
-    reference-free loss (simpo), and are then taken as 0. With h = (pi_c - ref_c) - (pi_r - ref_r),
-    eps = label_smoothing and s = sigmoid:
+    All log-prob arguments are (B,) (summed, or averaged for simpo and dpo_norm). The reference ones may be
+    None for a reference-free loss (simpo, sft), and are then taken as 0. With c = pi_c - ref_c, r = pi_r - ref_r,
+    h = c - r, z = beta h, eps = label_smoothing and s = sigmoid:
 
-        dpo     -(1 - eps) log s(beta h) - eps log s(-beta h)            DPO Eq. 7; cDPO when eps > 0
-        ipo     (h - 1 / (2 beta))^2                                     IPO Eq. 17
-        hinge   max(0, 1 - beta h)                                       SLiC Eq. 2
-        robust  (-(1 - eps) log s(beta h) + eps log s(-beta h)) / (1 - 2 eps)   rDPO Eq. 8
-        simpo   -log s(beta (pi_c - pi_r) - simpo_gamma)                 SimPO Eq. 6, pi = mean log-probs
+        dpo       -(1 - eps) log s(z) - eps log s(-z)                      DPO Eq. 7; cDPO when eps > 0
+        ipo       (h - 1 / (2 beta))^2                                     IPO Eq. 17
+        hinge     max(0, 1 - z)                                            SLiC Eq. 2
+        robust    (-(1 - eps) log s(z) + eps log s(-z)) / (1 - 2 eps)      rDPO Eq. 8
+        simpo     -log s(beta (pi_c - pi_r) - simpo_gamma)                 SimPO Eq. 6, pi = mean log-probs
+        exo_pair  s(z) (log s(z) - log(1 - e)) + s(-z) (log s(-z) - log e),  e = eps or 1e-3    EXO Eq. 16
+        nca_pair  -log s(beta c) - log s(-beta c) / 2 - log s(-beta r) / 2                NCA
+        bco_pair  -log s(beta c - d) - log s(-(beta r - d)), d = mean of beta c, beta r over the batch   BCO
+        sppo_hard (c - 1 / (2 beta))^2 + (r + 1 / (2 beta))^2                             SPPO
+        apo_zero  (1 - s(beta c)) + s(beta r)                                             APO-zero
+        apo_down  s(beta c) + (1 - s(z))                                                  APO-down
+        discopop  (1 - m) (-log s(z)) + m exp(-z), m = s(z / discopop_tau)                DiscoPOP Eq. 5
+        aot       dpo's formula on z = beta (sort(pi_c - pi_r) - sort(ref_c - ref_r))    AOT, sorted over the batch
+        aot_pair  dpo's formula on z = beta (sort(c) - sort(r))                         AOT, sorted over the batch
+        dpo_norm  dpo on mean log-probs                                                   Tulu 3
+        sft       0: all of SFT's loss is chosen_nll, which the caller adds with weight 1
+
+    bco_pair, aot and aot_pair compare pairs within the batch, so their value depends on how the batch is split
+    into micro-batches (TRL's bco_pair keeps a running mean d across steps instead; here d is the batch's).
 
     Returns (losses, chosen_rewards, rejected_rewards), each (B,) float32, losses not reduced, rewards
     detached: beta * (policy - reference).
@@ -148,8 +185,10 @@ def preference_loss(
     rc, rr = ref_chosen_logps.float(), ref_rejected_logps.float()
     h = (pc - rc) - (pr - rr)  # (B,)
     eps = label_smoothing
-    if loss_type == "dpo":
-        losses = -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
+    c, r = pc - rc, pr - rr
+    dpo = lambda z: -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+    if loss_type in ("dpo", "dpo_norm"):
+        losses = dpo(beta * h)
     elif loss_type == "ipo":
         losses = (h - 1 / (2 * beta)) ** 2
     elif loss_type == "hinge":
@@ -158,8 +197,40 @@ def preference_loss(
         losses = (-(1 - eps) * F.logsigmoid(beta * h) + eps * F.logsigmoid(-beta * h)) / (1 - 2 * eps)
     elif loss_type == "simpo":
         losses = -F.logsigmoid(beta * (pc - pr) - simpo_gamma)
+    elif loss_type == "exo_pair":
+        e, z = eps or 1e-3, beta * h
+        losses = z.sigmoid() * (F.logsigmoid(z) - math.log(1 - e)) + (-z).sigmoid() * (F.logsigmoid(-z) - math.log(e))
+    elif loss_type == "nca_pair":
+        losses = -F.logsigmoid(beta * c) - 0.5 * F.logsigmoid(-beta * c) - 0.5 * F.logsigmoid(-beta * r)
+    elif loss_type == "bco_pair":
+        d = torch.cat([beta * c, beta * r]).mean().detach()
+        losses = -F.logsigmoid(beta * c - d) - F.logsigmoid(-(beta * r - d))
+    elif loss_type == "sppo_hard":
+        losses = (c - 0.5 / beta) ** 2 + (r + 0.5 / beta) ** 2
+    elif loss_type == "apo_zero":
+        losses = (1 - torch.sigmoid(beta * c)) + torch.sigmoid(beta * r)
+    elif loss_type == "apo_down":
+        losses = torch.sigmoid(beta * c) + (1 - torch.sigmoid(beta * h))
+    elif loss_type == "discopop":
+        z = beta * h
+        m = torch.sigmoid(z / discopop_tau)
+        losses = (1 - m) * -F.logsigmoid(z) + m * torch.exp(-z)
+    elif loss_type == "aot":
+        losses = dpo(beta * ((pc - pr).sort().values - (rc - rr).sort().values))
+    elif loss_type == "aot_pair":
+        losses = dpo(beta * (c.sort().values - r.sort().values))
+    elif loss_type == "sft":
+        losses = torch.zeros_like(pc)
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {', '.join(get_args(LossType))}")
-    chosen_rewards = beta * (pc - rc).detach()
-    rejected_rewards = beta * (pr - rr).detach()
-    return losses, chosen_rewards, rejected_rewards
+    return losses, beta * c.detach(), beta * r.detach()
+
+
+def chosen_nll(chosen_logps: torch.Tensor, tokens_per_pair: float) -> torch.Tensor:
+    """(B,) per-pair shares of the chosen responses' token-mean negative log-likelihood (SFT; RPO's added term).
+
+    chosen_logps: (B,) summed log-probs. tokens_per_pair: the mean number of counted chosen tokens per pair
+    over the whole batch (every rank and micro-batch). The mean over the batch's pairs of -chosen_logps /
+    tokens_per_pair is -sum(log-probs) / sum(tokens): the token mean, however the batch is split.
+    """
+    return -chosen_logps.float() / tokens_per_pair

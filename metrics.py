@@ -98,3 +98,47 @@ def open_log(path: str, resume_step: int):
         f.writelines(rows)
     os.replace(path + ".tmp", path)
     return open(path, "a", buffering=1)
+
+
+def plot_metrics(jsonl_path: str, png_path: str) -> bool:
+    """Loss, reward accuracy and margin against step, train and eval, from metrics.jsonl into a PNG.
+    Returns False, writing nothing, when matplotlib (imported here, lazily) is not installed."""
+    try:
+        from matplotlib.figure import Figure  # no pyplot: no global backend or state is touched
+    except ImportError:
+        return False
+    with open(jsonl_path) as f:
+        rows = [json.loads(line) for line in f]
+    fig = Figure(figsize=(15, 4), layout="tight")
+    for ax, key in zip(fig.subplots(1, 3), ("loss", "rewards/accuracies", "rewards/margins")):
+        for split, style in (("train", "-"), ("eval", "o-")):
+            points = [(r["step"], r[key]) for r in rows if r["split"] == split and key in r]
+            if points:
+                ax.plot(*zip(*points), style, label=split)
+        ax.set(title=key, xlabel="step")
+        ax.legend()
+    fig.savefig(png_path + ".tmp.png")
+    os.replace(png_path + ".tmp.png", png_path)
+    return True
+
+
+class open_wandb:
+    """A Weights & Biases run that takes metrics.jsonl rows (as {split}/{metric} at the row's step) and
+    samples (as a table). wandb is imported lazily; without it, a ValueError says how to install it."""
+
+    def __init__(self, project: str, config: dict, out_dir: str):
+        try:
+            import wandb
+        except ImportError:
+            raise ValueError("--wandb-project needs the wandb package: pip install wandb") from None
+        self._wandb, self.run = wandb, wandb.init(project=project, config=config, dir=out_dir)
+
+    def log(self, row: dict, samples: list[dict] | None = None) -> None:
+        data = {f"{row['split']}/{k}": v for k, v in row.items()
+                if k not in ("step", "split") and isinstance(v, (int, float))}
+        if samples:
+            data["samples"] = self._wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])
+        self.run.log(data, step=row["step"])
+
+    def finish(self) -> None:
+        self.run.finish()

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import train_dpo
 from data import (DataConfig, DataError, PairTokens, build_batches, build_eval_batches, collate_pairs, pair_lengths,
                   prepare_data, read_rows, tokenize_pairs)
-from demo import demo_pairs, score_completion
+from demo import demo_pairs, score_completion, write_demo
 from fsdp_setup import apply_ac, find_block_class, gather_full_state_dict
 from loss import preference_loss, sequence_logps
 from metrics import PAIR_METRICS, device_peak_flops
@@ -97,15 +97,39 @@ def _logsig(x):
     return -math.log1p(math.exp(-x))
 
 
-@pytest.mark.parametrize("loss_type", ["dpo", "cdpo", "ipo", "hinge", "robust", "simpo"])
+LOSSES = ["dpo", "cdpo", "ipo", "hinge", "robust", "simpo", "exo_pair", "nca_pair", "bco_pair", "sppo_hard",
+          "apo_zero", "apo_down", "discopop", "aot", "aot_pair", "dpo_norm", "sft"]
+
+
+@pytest.mark.parametrize("loss_type", LOSSES)
 def test_preference_loss_matches_hand_computed_values(loss_type):
     pc, pr, rc, rr = [-1.0, -4.0, -2.5], [-2.0, -1.0, -3.0], [-1.5, -3.0, -2.0], [-1.5, -2.0, -2.0]
-    beta, eps, gamma = 0.25, (0.2 if loss_type in ("cdpo", "robust") else 0.0), 0.3
+    beta, eps, gamma, tau = 0.25, (0.2 if loss_type in ("cdpo", "robust") else 0.0), 0.3, 0.05
+    sig = lambda x: 1 / (1 + math.exp(-x))
+    dpo = lambda z: -_logsig(z)
+    # bco_pair's shift: the batch mean of all rewards; aot and aot_pair pair up sorted values across the batch.
+    d = beta * sum((a - c) + (b - e) for a, b, c, e in zip(pc, pr, rc, rr)) / 6
+    aot = [beta * (x - y) for x, y in zip(sorted(a - b for a, b in zip(pc, pr)), sorted(c - e for c, e in zip(rc, rr)))]
+    aot_pair = [beta * (x - y) for x, y in zip(sorted(a - c for a, c in zip(pc, rc)), sorted(b - e for b, e in zip(pr, rr)))]
     expected = []
-    for a, b, c, d in zip(pc, pr, rc, rr):
-        h = (a - c) - (b - d)
+    for i, (a, b, c, e) in enumerate(zip(pc, pr, rc, rr)):
+        cw, rw = a - c, b - e
+        h = cw - rw
+        z = beta * h
         expected.append({
-            "dpo": -_logsig(beta * h),
+            "exo_pair": sig(z) * (_logsig(z) - math.log(1 - 1e-3)) + sig(-z) * (_logsig(-z) - math.log(1e-3)),
+            "nca_pair": -_logsig(beta * cw) - 0.5 * _logsig(-beta * cw) - 0.5 * _logsig(-beta * rw),
+            "bco_pair": -_logsig(beta * cw - d) - _logsig(-(beta * rw - d)),
+            "sppo_hard": (cw - 0.5 / beta) ** 2 + (rw + 0.5 / beta) ** 2,
+            "apo_zero": (1 - sig(beta * cw)) + sig(beta * rw),
+            "apo_down": sig(beta * cw) + (1 - sig(z)),
+            "discopop": (1 - sig(z / tau)) * dpo(z) + sig(z / tau) * math.exp(-z),
+            "aot": dpo(aot[i]),
+            "aot_pair": dpo(aot_pair[i]),
+            "dpo_norm": dpo(z),  # the formula of dpo; the mean log-probs are the caller's (average_logps)
+            "sft": 0.0,  # all of it is chosen_nll, added by the caller
+
+            "dpo": dpo(z),
             "cdpo": -(1 - eps) * _logsig(beta * h) - eps * _logsig(-beta * h),
             "ipo": (h - 1 / (2 * beta)) ** 2,
             "hinge": max(0.0, 1 - beta * h),
@@ -113,14 +137,25 @@ def test_preference_loss_matches_hand_computed_values(loss_type):
             "simpo": -_logsig(beta * (a - b) - gamma),
         }[loss_type])
     t = lambda xs: torch.tensor(xs, dtype=torch.float64)
-    refs = (None, None) if loss_type == "simpo" else (t(rc), t(rr))
+    free = loss_type in ("simpo", "sft")
+    refs = (None, None) if free else (t(rc), t(rr))
     losses, cr, rj = preference_loss(t(pc), t(pr), *refs, loss_type="dpo" if loss_type == "cdpo" else loss_type,
-                                     beta=beta, label_smoothing=eps, simpo_gamma=gamma)
+                                     beta=beta, label_smoothing=eps, simpo_gamma=gamma, discopop_tau=tau)
     assert losses.dtype == torch.float32 and losses.shape == (3,)
     assert losses.tolist() == pytest.approx(expected, rel=1e-6, abs=1e-7)
-    base_c, base_r = ([0.0] * 3, [0.0] * 3) if loss_type == "simpo" else (rc, rr)
+    assert train_dpo.LossConfig(loss=loss_type if loss_type != "cdpo" else "dpo").reference_free == free
+    base_c, base_r = ([0.0] * 3, [0.0] * 3) if free else (rc, rr)
     assert cr.tolist() == pytest.approx([beta * (a - c) for a, c in zip(pc, base_c)], rel=1e-6)
     assert rj.tolist() == pytest.approx([beta * (b - d) for b, d in zip(pr, base_r)], rel=1e-6)
+
+
+def test_chosen_nll_is_the_token_mean_however_the_batch_is_split():
+    from loss import chosen_nll
+    logps, tokens = torch.tensor([-6.0, -2.0, -9.0, -3.0]), torch.tensor([3, 1, 6, 2])
+    token_mean = -logps.sum() / tokens.sum()  # 20 / 12
+    per_pair = tokens.sum().item() / 4
+    halves = torch.cat([chosen_nll(logps[:2], per_pair), chosen_nll(logps[2:], per_pair)])  # two micro-batches
+    assert halves.mean().item() == pytest.approx(token_mean.item(), rel=1e-6)
 
 
 def test_rewards_are_detached_and_reference_is_required():
@@ -1040,6 +1075,165 @@ def test_nan_loss_skips_the_step_and_repeated_nans_stop_the_run(tmp_path, monkey
     assert exit_info.value.code == 1
     assert "error: stopping at step 4: 3 consecutive steps since step 2 had a non-finite" in capsys.readouterr().err
     assert not (tmp_path / "stopped" / "final").exists()
+
+
+# ---------------------------------------------------------------------------------------------- recipes, eval, samples
+def test_sft_stage_logs_hf_token_mean_nll_then_feeds_dpo(tmp_path):
+    out = run(tmp_path, "sft", "--loss", "sft", "--max-steps", "2", "--micro-batch-size", "4", "--num-samples", "2")
+    # Step 1's loss (before any update) is the HF model's own token-mean cross-entropy over the chosen rows of
+    # the first global batch, accumulated here over 4 micro-batches.
+    policy, tok = tiny(seed=0)
+    train_path, _, _ = write_demo(CACHE)
+    tokens, _, _ = prepare_data(DataConfig(data=(train_path,)), tok, CACHE)
+    first = build_batches(len(tokens), 16, 0, 1, seed=0, epoch=0, lengths=pair_lengths(tokens))[0]
+    nll = count = 0.0
+    with torch.no_grad():
+        for i in first:
+            p = tokens[i]
+            ids = torch.tensor([p["prompt"] + p["chosen"]])
+            labels = torch.tensor([[-100] * len(p["prompt"]) + p["chosen"]])
+            nll += policy(input_ids=ids, labels=labels).loss.item() * len(p["chosen"])
+            count += len(p["chosen"])
+    (step1, _) = read_metrics(out)
+    assert step1["loss"] == pytest.approx(nll / count, rel=1e-5)
+    assert read_metrics(out, "eval")[-1]["loss"] < read_metrics(out, "eval")[0]["loss"]
+    # The classic pipeline: DPO starts from the SFT export (reference = that model, so the loss starts at ln 2).
+    dpo = run(tmp_path, "dpo", "--model", os.path.join(out, "final"), "--lr", "1e-4", "--max-steps", "1",
+              "--num-samples", "0")
+    assert read_metrics(dpo)[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert not os.path.exists(os.path.join(dpo, "samples.jsonl")) or not open(os.path.join(dpo, "samples.jsonl")).read()
+
+
+def test_sft_weight_adds_the_weighted_chosen_nll():
+    policy, tok = tiny(seed=3)
+    reference = copy.deepcopy(policy).eval()
+    pairs = tokenize(demo_pairs("train")[:4], tok)
+    batch = collate_pairs(pairs, tok.pad_token_id)
+    per_pair = sum(len(p["chosen"]) for p in pairs) / 4
+    with torch.no_grad():
+        for loss in ("dpo", "dpo_norm"):  # summed and length-averaged log-probs
+            plain = train_dpo.forward_pairs(policy, reference, batch, train_dpo.LossConfig(loss=loss))
+            rpo = train_dpo.forward_pairs(policy, reference, batch, train_dpo.LossConfig(loss=loss, sft_weight=0.5),
+                                          tokens_per_pair=per_pair)
+            hf = [policy(input_ids=torch.tensor([p["prompt"] + p["chosen"]]),
+                         labels=torch.tensor([[-100] * len(p["prompt"]) + p["chosen"]])).loss.item() * len(p["chosen"])
+                  for p in pairs]  # each pair's summed NLL
+            expected = [0.5 * x / per_pair for x in hf]
+            assert (rpo["losses"] - plain["losses"]).tolist() == pytest.approx(expected, rel=1e-4)
+    with pytest.raises(ValueError, match="--sft-weight"):
+        train_dpo.LossConfig(loss="sft", sft_weight=1.0)
+
+
+def test_generate_with_cache_and_left_padding_matches_naive_greedy():
+    from samples import generate
+    policy, tok = tiny(seed=4)
+    prompts = [tok("Review the red lamp:")["input_ids"][:-1], tok("Hi")["input_ids"][:-1]]
+    got = generate(policy, prompts, max_new_tokens=12, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    with torch.no_grad():
+        for prompt, completion in zip(prompts, got):
+            ids = list(prompt)
+            for _ in range(12):  # no cache, no padding: the whole sequence every step
+                nxt = policy(input_ids=torch.tensor([ids])).logits[0, -1].argmax().item()
+                if nxt == tok.eos_token_id:
+                    break
+                ids.append(nxt)
+            assert completion == ids[len(prompt):]
+    again = generate(policy, prompts, 12, tok.eos_token_id, tok.pad_token_id, temperature=1.0, seed=7)
+    assert again == generate(policy, prompts, 12, tok.eos_token_id, tok.pad_token_id, temperature=1.0, seed=7)
+
+
+LOCKSTEP = """
+import os, sys, types
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from samples import generate
+dist.init_process_group("gloo")
+rank, forwards = dist.get_rank(), [0]
+
+class Model(torch.nn.Module):  # a collective per forward, like FSDP2's all-gathers; rank 0 ends at once
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+    def forward(self, input_ids, attention_mask, position_ids, past_key_values, use_cache):
+        dist.all_reduce(torch.ones(1))
+        forwards[0] += 1
+        logits = torch.zeros(input_ids.shape[0], input_ids.shape[1], 5)
+        logits[..., 1 if rank == 0 else 3] = 1.0  # 1 is EOS
+        return types.SimpleNamespace(logits=logits, past_key_values=None)
+
+out = generate(Model(), [[2, 2]], max_new_tokens=6, eos_id=1, pad_id=0)
+print(rank, forwards[0], out, flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_generation_keeps_ranks_in_lockstep_when_one_finishes_early(tmp_path):
+    script = tmp_path / "lockstep.py"
+    script.write_text(LOCKSTEP)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), HERE], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(proc.stdout.splitlines()) == ["0 6 [[]]", "1 6 [[3, 3, 3, 3, 3, 3]]"]
+
+
+def test_two_rank_eval_counts_each_pair_once_and_writes_the_same_samples(tmp_path):
+    held_out = _write_jsonl(tmp_path / "eval.jsonl", demo_pairs("eval")[:37])  # 37: ranks get 19 and 18 + a dummy
+    args = ("--eval-data", held_out, "--max-steps", "2", "--micro-batch-size", "4", "--num-samples", "3",
+            "--sample-temperature", "1.0", "--sample-max-tokens", "8")
+    one = run(tmp_path, "one", *args)
+    proc = torchrun(2, str(tmp_path / "two"), *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for a, b in zip(read_metrics(one, "eval"), read_metrics(str(tmp_path / "two"), "eval"), strict=True):
+        assert a["step"] == b["step"]
+        for k in PAIR_METRICS:
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+    samples = lambda out: [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
+    assert [s["step"] for s in samples(one)] == [0, 0, 0, 2, 2, 2]
+    assert [s["prompt"] for s in samples(one)[:3]] == [p["prompt"] for p in demo_pairs("eval")[:3]]
+    assert samples(one)[:3] == samples(str(tmp_path / "two"))[:3]  # same weights, same seeded draws
+    assert "'Review the" in proc.stderr and "-> '" in proc.stderr  # one sample shown on the console
+
+
+def test_demo_reports_the_scorer_share_and_plots_the_curves(tmp_path, monkeypatch):
+    out = run(tmp_path, "run", "--max-steps", "2", "--num-samples", "4", "--sample-max-tokens", "4")
+    rows = read_metrics(out, "eval")
+    assert [r["step"] for r in rows] == [0, 2] and all(0 <= r["samples/preferred"] <= 1 for r in rows)
+    scores = [score_completion(s["completion"]) for s in map(json.loads, open(os.path.join(out, "samples.jsonl")))]
+    assert rows[0]["samples/preferred"] == scores[:4].count(1) / 4
+    assert open(os.path.join(out, "metrics.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    from metrics import plot_metrics
+    for name in ("matplotlib", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    assert plot_metrics(os.path.join(out, "metrics.jsonl"), str(tmp_path / "none.png")) is False
+    assert not (tmp_path / "none.png").exists()
+
+
+def test_wandb_gets_the_same_rows_and_a_clear_error_when_missing(tmp_path, monkeypatch, capsys):
+    import importlib.machinery
+    import types
+    calls = []
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    fake.Table = lambda columns, data: ("table", columns, data)
+    fake.init = lambda **kw: calls.append(("init", kw)) or types.SimpleNamespace(
+        log=lambda data, step: calls.append(("log", step, data)), finish=lambda: calls.append(("finish",)))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    out = run(tmp_path, "run", "--max-steps", "2", "--num-samples", "2", "--sample-max-tokens", "4",
+              "--wandb-project", "p")
+    assert calls[0][0] == "init" and calls[0][1]["project"] == "p" and calls[-1] == ("finish",)
+    logged = [c for c in calls if c[0] == "log"]
+    train = [(step, data["train/loss"]) for _, step, data in logged if "train/loss" in data]
+    assert train == [(r["step"], r["loss"]) for r in read_metrics(out)]
+    evals = [(step, data) for _, step, data in logged if "eval/loss" in data]
+    assert [s for s, _ in evals] == [0, 2] and evals[0][1]["samples"][1] == ["step", "prompt", "completion"]
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        run(tmp_path, "missing", "--wandb-project", "p")
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: --wandb-project needs the wandb package: pip install wandb"
+    assert not (tmp_path / "missing").exists()
 
 
 # ---------------------------------------------------------------------------------------------- copyability

@@ -8,6 +8,7 @@ Reads top to bottom: config, distributed, precision, data, models, optimizer, lo
 
 import functools
 import hashlib
+import importlib.util
 import inspect
 import json
 import math
@@ -27,12 +28,13 @@ import tyro
 from checkpoint import StopRequest, check_same_run, find_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
 from data import (DataConfig, build_batches, build_eval_batches, collate_pairs, load_tokenizer, pair_lengths,
                   prepare_data)
-from demo import write_demo
+from demo import score_completion, write_demo
 from fsdp_setup import FSDPConfig, apply_ac, apply_fsdp, gather_full_state_dict, init_distributed, load_from_rank0
-from loss import LossConfig, preference_loss, sequence_logps
-from metrics import (PAIR_METRICS, device_peak_flops, host_memory_by_rank_gb, open_log, pair_means, pair_sums,
-                     peak_memory_gb, say, show_progress)
+from loss import IGNORE_INDEX, LossConfig, chosen_nll, preference_loss, sequence_logps
+from metrics import (PAIR_METRICS, device_peak_flops, host_memory_by_rank_gb, open_log, open_wandb, pair_means,
+                     pair_sums, peak_memory_gb, plot_metrics, say, show_progress)
 from precision import PrecisionConfig, clip_and_step, resolve_precision
+from samples import generate
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -71,7 +73,15 @@ class Config:
     out_dir: str = "runs/dpo"
     """Where metrics.jsonl, checkpoints/ and final/ (the Hugging Face export) go."""
     eval_every: int = 0
-    """Evaluate on the held-out set every N steps; 0 means only at the end."""
+    """Evaluate on the held-out set every N steps; 0 means only before training and at the end."""
+    num_samples: int = 8
+    """At each evaluation, complete the first N held-out prompts into {out_dir}/samples.jsonl; 0 disables."""
+    sample_max_tokens: int = 64
+    """Most new tokens per sampled completion."""
+    sample_temperature: float = 0.0
+    """0: greedy completions; above 0: sampled at this temperature with a generator seeded by --seed."""
+    wandb_project: str | None = None
+    """Also log metrics and samples to this Weights & Biases project (needs the wandb package)."""
     save_every: int = 0
     """Save a sharded checkpoint to {out_dir}/checkpoints/step-N every N steps; 0 disables."""
     keep_last: int = 0
@@ -86,7 +96,8 @@ class Config:
     def validate(self, world_size: int) -> int:
         """Check the settings against the world size; return the gradient accumulation steps."""
         for name in ("batch_size", "epochs", "max_skipped_steps", "max_steps", "warmup_steps", "eval_every",
-                     "save_every", "keep_last", "max_grad_norm", "weight_decay"):
+                     "save_every", "keep_last", "max_grad_norm", "weight_decay", "num_samples", "sample_max_tokens",
+                     "sample_temperature"):
             low = 1 if name in ("batch_size", "epochs", "max_skipped_steps") else 0
             if getattr(self, name) < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
@@ -94,6 +105,8 @@ class Config:
         if micro < 1 or self.batch_size % (micro * world_size):
             raise ValueError(f"--batch-size {self.batch_size} must be a multiple of --micro-batch-size "
                              f"({micro}) x {world_size} ranks")
+        if self.wandb_project and importlib.util.find_spec("wandb") is None:
+            raise ValueError("--wandb-project needs the wandb package: pip install wandb")
         self.micro_batch_size = micro
         return self.batch_size // (micro * world_size)
 
@@ -138,9 +151,11 @@ def build_sharded(config, full_model, cfg: Config, precision, device, frozen: bo
 
 
 # ---------------------------------------------------------------------------------------------- the step
-def forward_pairs(policy, reference, batch: dict, objective: LossConfig, ref_logps: torch.Tensor | None = None) -> dict:
+def forward_pairs(policy, reference, batch: dict, objective: LossConfig, ref_logps: torch.Tensor | None = None,
+                  tokens_per_pair: float | None = None) -> dict:
     """Per-pair losses, rewards and policy log-probs for one collate_pairs batch: (2B, T) [chosen; rejected].
-    ref_logps (2B,), when given (--ref precompute), replaces running `reference`."""
+    ref_logps (2B,), when given (--ref precompute), replaces running `reference`. tokens_per_pair: the whole
+    batch's mean chosen tokens per pair, for the NLL term of --loss sft and --sft-weight (see chosen_nll)."""
     if ref_logps is None and reference is not None:  # first, so its logits are freed before the policy's exist
         with torch.no_grad():
             ref_logps = model_logps(reference, batch, objective.average_logps)
@@ -148,7 +163,13 @@ def forward_pairs(policy, reference, batch: dict, objective: LossConfig, ref_log
     ref_chosen, ref_rejected = ref_logps.chunk(2) if ref_logps is not None else (None, None)
     losses, chosen_rewards, rejected_rewards = preference_loss(
         chosen, rejected, ref_chosen, ref_rejected, loss_type=objective.loss, beta=objective.beta,
-        label_smoothing=objective.label_smoothing, simpo_gamma=objective.simpo_gamma)
+        label_smoothing=objective.label_smoothing, simpo_gamma=objective.simpo_gamma,
+        discopop_tau=objective.discopop_tau)
+    nll_weight = 1.0 if objective.loss == "sft" else objective.sft_weight
+    if nll_weight:
+        tokens = (batch["labels"][: len(chosen), 1:] != IGNORE_INDEX).sum(-1)  # (B,) chosen tokens per row
+        summed = chosen * tokens if objective.average_logps else chosen
+        losses = losses + nll_weight * chosen_nll(summed, tokens_per_pair)
     return {"losses": losses, "chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards,
             "chosen_logps": chosen.detach(), "rejected_logps": rejected.detach()}
 
@@ -188,9 +209,10 @@ def evaluate(policy, reference, pairs: list, ref_table, cfg: Config, rank: int, 
     """Means over the whole held-out set, each pair counted once however many ranks there are."""
     policy.eval()
     sums = torch.zeros(len(PAIR_METRICS) + 1, device=device)
+    tokens_per_pair = pairs.lengths[:, 1].double().mean().item()
     for idx, batch in _sharded_batches(pairs, rank, world, cfg.micro_batch_size, pad_id, device):
         weight = torch.tensor([1.0] * len(idx) or [0.0], device=device)
-        out = forward_pairs(policy, reference, batch, cfg.objective, _ref_rows(ref_table, idx or [0]))
+        out = forward_pairs(policy, reference, batch, cfg.objective, _ref_rows(ref_table, idx or [0]), tokens_per_pair)
         sums += torch.cat([pair_sums(out, weight), weight.sum()[None]])
     dist.all_reduce(sums)
     policy.train().reshard()  # see precompute_ref_logps
@@ -266,7 +288,9 @@ def get_lr(step: int, peak: float, warmup: int, total: int) -> float:
 # on resume (--max-steps, --epochs, --lr, --warmup-steps, precision, ...); the LR schedule follows the new values.
 _SAME_RUN = {"model": "--model", "data": "--data", "data_sha256": "the content of --data", "seed": "--seed",
              "eval_fraction": "--eval-fraction", "batch_size": "--batch-size", "max_length": "--max-length",
-             "max_prompt_length": "--max-prompt-length", "truncation": "--truncation", "loss": "--loss", "beta": "--beta", "label_smoothing": "--label-smoothing", "simpo_gamma": "--simpo-gamma"}
+             "max_prompt_length": "--max-prompt-length", "truncation": "--truncation", "loss": "--loss", "beta": "--beta",
+             "label_smoothing": "--label-smoothing", "simpo_gamma": "--simpo-gamma", "discopop_tau": "--discopop-tau",
+             "sft_weight": "--sft-weight"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -296,10 +320,12 @@ def train(cfg: Config, rank: int, world: int, device) -> int:
         if max_positions and cfg.dataset.max_length > max_positions:
             raise ValueError(f"--max-length {cfg.dataset.max_length} exceeds the model's {max_positions} positions")
         data_cfg = cfg.dataset
-        if data_cfg.data in ((), ("demo",)):  # the demo, written out as files: it takes the same path as user data
-            demo_train, demo_eval = write_demo(cfg.cache_dir)
+        demo = data_cfg.data in ((), ("demo",), ("demo:sft",))
+        if demo:  # the demo, written out as files: it takes the same path as user data
+            demo_train, demo_eval, demo_sft = write_demo(cfg.cache_dir)
             evals = data_cfg.eval_data or (() if data_cfg.eval_fraction else (demo_eval,))
-            data_cfg = replace(data_cfg, data=(demo_train,), eval_data=evals)
+            data_cfg = replace(data_cfg, data=(demo_sft if data_cfg.data == ("demo:sft",) else demo_train,),
+                               eval_data=evals)
         train_tokens, eval_tokens, data_summary = prepare_data(data_cfg, tokenizer, cfg.cache_dir)
         steps_per_epoch = len(train_tokens) // cfg.batch_size
         if steps_per_epoch == 0:
@@ -349,9 +375,16 @@ def train(cfg: Config, rank: int, world: int, device) -> int:
          f"on {device.type}, {precision.name}, {len(train_tokens)} train / {len(eval_tokens)} eval pairs, "
          f"{total_steps} steps x {cfg.batch_size} pairs ({accum} accumulation steps); peak host memory after "
          f"loading, GB by rank: {' '.join(f'{x:.2f}' for x in rss)}")
-    def log(row: dict) -> None:
-        if metrics_file:  # line-buffered: each row reaches the disk as it is written
-            metrics_file.write(json.dumps(row) + "\n")
+    samples_file = open_log(os.path.join(cfg.out_dir, "samples.jsonl"), start_step) if rank == 0 else None
+    wandb_run = open_wandb(cfg.wandb_project, asdict(cfg), cfg.out_dir) if rank == 0 and cfg.wandb_project else None
+    sample_prompts = [eval_tokens[i]["prompt"] for i in range(min(cfg.num_samples, len(eval_tokens)))]
+
+    def log(row: dict, samples: list | None = None) -> None:
+        for f, rows in ((metrics_file, [row]), (samples_file, samples or [])):
+            if f:  # line-buffered: each row reaches the disk as it is written
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+        if wandb_run:
+            wandb_run.log(row, samples)
 
     for split in ("train", "eval"):
         d = data_summary[split]
@@ -365,11 +398,25 @@ def train(cfg: Config, rank: int, world: int, device) -> int:
         say("no --eval-data or --eval-fraction: evaluation skipped")
 
     def run_eval(step: int) -> None:
-        if eval_tokens:
-            m = evaluate(policy, reference, eval_tokens, ref_eval, cfg, rank, world, device, pad_id)
-            log({"step": step, "split": "eval", **m, "elapsed_s": time.perf_counter() - t0})
-            say(f"eval at step {step} ({len(eval_tokens)} pairs): loss {m['loss']:.4f} reward accuracy "
-                 f"{m['rewards/accuracies']:.3f} margin {m['rewards/margins']:.3f}")
+        if not eval_tokens:
+            return
+        m = evaluate(policy, reference, eval_tokens, ref_eval, cfg, rank, world, device, pad_id)
+        samples = []
+        if sample_prompts:  # every rank generates (FSDP needs them all); rank 0 writes
+            completions = generate(policy, sample_prompts, cfg.sample_max_tokens, tokenizer.eos_token_id, pad_id,
+                                   cfg.sample_temperature, cfg.seed)
+            policy.reshard()  # see precompute_ref_logps
+            text = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+            samples = [{"step": step, "prompt": text(p), "completion": text(c)} for p, c in zip(sample_prompts, completions)]
+            if demo:  # the demo's ground truth: the share of completions in the chosen (and the rejected) style
+                scores = [score_completion(s["completion"]) for s in samples]
+                m["samples/preferred"] = scores.count(1) / len(scores)
+                m["samples/rejected_style"] = scores.count(-1) / len(scores)
+        log({"step": step, "split": "eval", **m, "elapsed_s": time.perf_counter() - t0}, samples)
+        say(f"eval at step {step} ({len(eval_tokens)} pairs): loss {m['loss']:.4f} reward accuracy "
+            f"{m['rewards/accuracies']:.3f} margin {m['rewards/margins']:.3f}"
+            + (f" | demo scorer prefers {m['samples/preferred']:.0%} of samples" if "samples/preferred" in m else "")
+            + (f" | {samples[0]['prompt']!r} -> {samples[0]['completion']!r}" if samples else ""))
 
     def save(step: int) -> str:
         extra = {"step": step, "config": asdict(cfg), "data_sha256": data_sha256,
@@ -385,11 +432,17 @@ def train(cfg: Config, rank: int, world: int, device) -> int:
     t0 = time.perf_counter()
     stop = StopRequest()  # SIGTERM / SIGINT: finish this step, checkpoint it, exit
     batches, epoch, bad_steps = [], -1, 0
+    nll = cfg.objective.loss == "sft" or cfg.objective.sft_weight > 0
+    if start_step == 0:
+        run_eval(0)  # the baseline: where the samples and the metrics start
     for step in range(start_step, total_steps):
         if step // steps_per_epoch != epoch:  # the data order is a function of (seed, epoch) only
             epoch = step // steps_per_epoch
-            batches = build_batches(len(train_tokens), cfg.batch_size, rank, world, cfg.seed, epoch,
-                                    pair_lengths(train_tokens) if cfg.dataset.group_by_length else None)
+            lengths = pair_lengths(train_tokens) if cfg.dataset.group_by_length else None
+            batches = build_batches(len(train_tokens), cfg.batch_size, rank, world, cfg.seed, epoch, lengths)
+            # The NLL is a token mean over the whole batch: every rank counts the global batch's chosen tokens.
+            whole = build_batches(len(train_tokens), cfg.batch_size, 0, 1, cfg.seed, epoch, lengths) if nll else None
+        tokens_per_pair = train_tokens.lengths[whole[step % steps_per_epoch], 1].double().mean().item() if nll else None
         step_t0 = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = get_lr(step, lr, cfg.warmup_steps, total_steps)
@@ -400,7 +453,7 @@ def train(cfg: Config, rank: int, world: int, device) -> int:
             batch = _to(collate_pairs([train_tokens[i] for i in idx], pad_id), device)
             # Reduce-scatter gradients only once, after the last micro-batch.
             policy.set_requires_gradient_sync(micro == accum - 1)
-            out = forward_pairs(policy, reference, batch, cfg.objective, _ref_rows(ref_train, idx))
+            out = forward_pairs(policy, reference, batch, cfg.objective, _ref_rows(ref_train, idx), tokens_per_pair)
             # Per-rank sum / per-rank batch; FSDP averages over ranks: the mean over the global batch.
             loss = out["losses"].sum() / (cfg.batch_size // world)
             (scaler.scale(loss) if scaler else loss).backward()
@@ -456,7 +509,12 @@ def train(cfg: Config, rank: int, world: int, device) -> int:
         with open(os.path.join(final, "train_config.json"), "w") as f:
             json.dump(asdict(cfg), f, indent=2)
         metrics_file.close()
+        samples_file.close()
         say(f"saved {final}")
+        if not plot_metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), os.path.join(cfg.out_dir, "metrics.png")):
+            say("matplotlib is not installed: no metrics.png (pip install matplotlib)")
+        if wandb_run:
+            wandb_run.finish()
     dist.barrier()
     return 0
 
