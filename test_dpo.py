@@ -70,16 +70,18 @@ def read_metrics(out_dir, split="train"):
 
 
 def run(tmp_path, name, *args):
-    """train_dpo.main in this process on the demo data; returns the out_dir."""
+    """train_dpo.main in this process on the demo data, no samples or step-0 evaluation unless asked; returns
+    the out_dir."""
     out = str(tmp_path / name)
-    train_dpo.main(["--out-dir", out, "--cache-dir", CACHE, "--batch-size", "16", "--warmup-steps", "2", *args])
+    train_dpo.main(["--out-dir", out, "--cache-dir", CACHE, "--batch-size", "16", "--warmup-steps", "2",
+                    "--num-samples", "0", "--no-eval-before", *args])
     return out
 
 
 def torchrun(nproc, out, *args):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.join(HERE, "train_dpo.py"), "--out-dir", out, "--cache-dir", CACHE, "--batch-size", "16",
-           "--warmup-steps", "2", *args]
+           "--warmup-steps", "2", "--num-samples", "0", "--no-eval-before", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
@@ -554,9 +556,10 @@ def only_rank0(*args, **kwargs):
     return real(*args, **kwargs)
 data.tokenize_pairs = only_rank0
 _, tok = train_dpo.load_model_config("tiny")
-for _ in range(2):  # the second call finds the cache and tokenizes nothing
+for round in range(2):  # the second call finds the cache and tokenizes nothing
     train, evals, summary = data.prepare_data(data.DataConfig(data=(sys.argv[1],), eval_fraction=0.5), tok, sys.argv[2])
-    print(rank, len(train), len(evals), train.ids.sum().item(), len(calls), flush=True)
+    with open(os.path.join(sys.argv[2], f"rank{rank}-{round}.txt"), "w") as f:
+        f.write(f"{rank} {len(train)} {len(evals)} {train.ids.sum().item()} {len(calls)}")
 dist.destroy_process_group()
 """
 
@@ -569,7 +572,7 @@ def test_two_ranks_tokenize_once_on_rank_0_and_share_the_cache(tmp_path):
                            str(script), path, str(cache)], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = sorted(line.split() for line in proc.stdout.splitlines())
+    rows = sorted((cache / f).read_text().split() for f in os.listdir(cache) if f.startswith("rank"))
     assert len(rows) == 4 and len({tuple(r[1:4]) for r in rows}) == 1  # both ranks, both calls: the same tokens
     assert rows[0][1:3] == ["10", "10"]
     # Rank 0 tokenized train and eval (two calls) in the first round only; rank 1 never tokenized.
@@ -747,7 +750,7 @@ def test_find_block_class_without_no_split_modules():
 
 # ---------------------------------------------------------------------------------------------- end to end
 def test_tiny_run_learns_the_preference_and_exports_a_loadable_model(tmp_path):
-    out = run(tmp_path, "e2e", "--max-steps", "12", "--eval-every", "6")
+    out = run(tmp_path, "e2e", "--max-steps", "12", "--eval-every", "6", "--eval-before")
     train, evals = read_metrics(out), read_metrics(out, "eval")
     keys = {"step", "split", "loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
             "logps/chosen", "logps/rejected", "grad_norm", "lr", "tokens_per_s", "pairs_per_s", "elapsed_s",
@@ -755,8 +758,8 @@ def test_tiny_run_learns_the_preference_and_exports_a_loadable_model(tmp_path):
     assert [r["step"] for r in train] == list(range(1, 13)) and all(keys <= set(r) for r in train)
     assert all(0.5 < r["padding_efficiency"] <= 1 and r["peak_mem_gb"] > 0.1 and "mfu" not in r for r in train)
     assert train[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference at the first step
-    assert [r["step"] for r in evals] == [6, 12]
-    assert math.log(2) > evals[0]["loss"] > evals[1]["loss"] and evals[1]["rewards/accuracies"] >= 0.9
+    assert [r["step"] for r in evals] == [0, 6, 12] and evals[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert math.log(2) > evals[1]["loss"] > evals[2]["loss"] and evals[2]["rewards/accuracies"] >= 0.9
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     final = os.path.join(out, "final")
@@ -769,9 +772,9 @@ def test_tiny_run_learns_the_preference_and_exports_a_loadable_model(tmp_path):
     with torch.no_grad():
         out_pairs = train_dpo.forward_pairs(model.eval(), reference.eval(), collate_pairs(pairs, tok.pad_token_id),
                                             train_dpo.LossConfig())
-    assert out_pairs["losses"].mean().item() == pytest.approx(evals[1]["loss"], rel=1e-4)
+    assert out_pairs["losses"].mean().item() == pytest.approx(evals[-1]["loss"], rel=1e-4)
     accuracy = (out_pairs["chosen_rewards"] > out_pairs["rejected_rewards"]).float().mean().item()
-    assert accuracy == pytest.approx(evals[1]["rewards/accuracies"])
+    assert accuracy == pytest.approx(evals[-1]["rewards/accuracies"])
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
@@ -816,6 +819,8 @@ def _assert_same_run(a, b, exact=True, keys=PAIR_METRICS, weight_atol=1e-5):
     assert [r["step"] for r in read_metrics(a)] == list(range(1, len(read_metrics(a)) + 1))
     for split in ("train", "eval"):
         rows_a, rows_b = read_metrics(a, split), read_metrics(b, split)
+        if split == "eval" and (rows_a[0]["step"] == 0) != (rows_b[0]["step"] == 0):  # a resumed run skips step 0's
+            rows_a, rows_b = [r for r in rows_a if r["step"]], [r for r in rows_b if r["step"]]
         assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b] and rows_a
         for x, y in zip(rows_a, rows_b):
             for key in keys:
@@ -1079,7 +1084,8 @@ def test_nan_loss_skips_the_step_and_repeated_nans_stop_the_run(tmp_path, monkey
 
 # ---------------------------------------------------------------------------------------------- recipes, eval, samples
 def test_sft_stage_logs_hf_token_mean_nll_then_feeds_dpo(tmp_path):
-    out = run(tmp_path, "sft", "--loss", "sft", "--max-steps", "2", "--micro-batch-size", "4", "--num-samples", "2")
+    out = run(tmp_path, "sft", "--loss", "sft", "--max-steps", "2", "--micro-batch-size", "4", "--num-samples", "2",
+              "--eval-before")
     # Step 1's loss (before any update) is the HF model's own token-mean cross-entropy over the chosen rows of
     # the first global batch, accumulated here over 4 micro-batches.
     policy, tok = tiny(seed=0)
@@ -1101,7 +1107,7 @@ def test_sft_stage_logs_hf_token_mean_nll_then_feeds_dpo(tmp_path):
     dpo = run(tmp_path, "dpo", "--model", os.path.join(out, "final"), "--lr", "1e-4", "--max-steps", "1",
               "--num-samples", "0")
     assert read_metrics(dpo)[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
-    assert not os.path.exists(os.path.join(dpo, "samples.jsonl")) or not open(os.path.join(dpo, "samples.jsonl")).read()
+    assert not os.path.exists(os.path.join(dpo, "samples.jsonl"))
 
 
 def test_sft_weight_adds_the_weighted_chosen_nll():
@@ -1162,7 +1168,8 @@ class Model(torch.nn.Module):  # a collective per forward, like FSDP2's all-gath
         return types.SimpleNamespace(logits=logits, past_key_values=None)
 
 out = generate(Model(), [[2, 2]], max_new_tokens=6, eos_id=1, pad_id=0)
-print(rank, forwards[0], out, flush=True)
+with open(os.path.join(sys.argv[2], f"rank{rank}.txt"), "w") as f:
+    f.write(f"{forwards[0]} {out}")
 dist.destroy_process_group()
 """
 
@@ -1171,16 +1178,18 @@ def test_generation_keeps_ranks_in_lockstep_when_one_finishes_early(tmp_path):
     script = tmp_path / "lockstep.py"
     script.write_text(LOCKSTEP)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script), HERE], capture_output=True, text=True, timeout=120,
+                           str(script), HERE, str(tmp_path)], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(proc.stdout.splitlines()) == ["0 6 [[]]", "1 6 [[3, 3, 3, 3, 3, 3]]"]
+    # Both ranks ran 6 forwards (rank 0 kept stepping for rank 1, its EOS masked to padding), and nothing hung.
+    assert (tmp_path / "rank0.txt").read_text() == "6 [[]]"
+    assert (tmp_path / "rank1.txt").read_text() == "6 [[3, 3, 3, 3, 3, 3]]"
 
 
 def test_two_rank_eval_counts_each_pair_once_and_writes_the_same_samples(tmp_path):
     held_out = _write_jsonl(tmp_path / "eval.jsonl", demo_pairs("eval")[:37])  # 37: ranks get 19 and 18 + a dummy
     args = ("--eval-data", held_out, "--max-steps", "2", "--micro-batch-size", "4", "--num-samples", "3",
-            "--sample-temperature", "1.0", "--sample-max-tokens", "8")
+            "--sample-temperature", "1.0", "--sample-max-tokens", "8", "--eval-before")
     one = run(tmp_path, "one", *args)
     proc = torchrun(2, str(tmp_path / "two"), *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -1196,7 +1205,7 @@ def test_two_rank_eval_counts_each_pair_once_and_writes_the_same_samples(tmp_pat
 
 
 def test_demo_reports_the_scorer_share_and_plots_the_curves(tmp_path, monkeypatch):
-    out = run(tmp_path, "run", "--max-steps", "2", "--num-samples", "4", "--sample-max-tokens", "4")
+    out = run(tmp_path, "run", "--max-steps", "2", "--num-samples", "4", "--sample-max-tokens", "4", "--eval-before")
     rows = read_metrics(out, "eval")
     assert [r["step"] for r in rows] == [0, 2] and all(0 <= r["samples/preferred"] <= 1 for r in rows)
     scores = [score_completion(s["completion"]) for s in map(json.loads, open(os.path.join(out, "samples.jsonl")))]
@@ -1220,7 +1229,7 @@ def test_wandb_gets_the_same_rows_and_a_clear_error_when_missing(tmp_path, monke
         log=lambda data, step: calls.append(("log", step, data)), finish=lambda: calls.append(("finish",)))
     monkeypatch.setitem(sys.modules, "wandb", fake)
     out = run(tmp_path, "run", "--max-steps", "2", "--num-samples", "2", "--sample-max-tokens", "4",
-              "--wandb-project", "p")
+              "--wandb-project", "p", "--eval-before")
     assert calls[0][0] == "init" and calls[0][1]["project"] == "p" and calls[-1] == ("finish",)
     logged = [c for c in calls if c[0] == "log"]
     train = [(step, data["train/loss"]) for _, step, data in logged if "train/loss" in data]
@@ -1240,17 +1249,19 @@ def test_wandb_gets_the_same_rows_and_a_clear_error_when_missing(tmp_path, monke
 CONCERN_FILES = ["loss.py", "precision.py", "fsdp_setup.py", "data.py", "checkpoint.py", "metrics.py", "demo.py"]
 
 
-def test_concern_files_import_only_stdlib_and_torch():  # and data.py transformers
+def test_concern_files_import_only_stdlib_and_torch():  # data.py: transformers; optional extras inside functions
     siblings = {f[:-3] for f in CONCERN_FILES} | {"train_dpo"}
     for name in CONCERN_FILES:
         tree = ast.parse(open(os.path.join(HERE, name)).read())
+        lazy = {n for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) for n in ast.walk(f)}
         for node in ast.walk(tree):
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module] if isinstance(node, ast.ImportFrom) else []
             for mod in mods:
                 top = mod.split(".")[0]
                 assert top not in siblings, f"{name} imports its sibling {mod}"
-                allowed = top == "torch" or top in sys.stdlib_module_names or (name, top) in (("data.py", "transformers"), ("data.py", "datasets"))
+                allowed = (top == "torch" or top in sys.stdlib_module_names or (name, top) == ("data.py", "transformers")
+                           or (node in lazy and top in ("datasets", "matplotlib", "wandb")))
                 assert allowed, f"{name} imports {mod}"
 
 

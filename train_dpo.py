@@ -73,7 +73,9 @@ class Config:
     out_dir: str = "runs/dpo"
     """Where metrics.jsonl, checkpoints/ and final/ (the Hugging Face export) go."""
     eval_every: int = 0
-    """Evaluate on the held-out set every N steps; 0 means only before training and at the end."""
+    """Evaluate on the held-out set every N steps; 0 means only at the end (and before, with --eval-before)."""
+    eval_before: bool = True
+    """Also evaluate and sample before the first step: the baseline of the curves and of the demo's scorer share."""
     num_samples: int = 8
     """At each evaluation, complete the first N held-out prompts into {out_dir}/samples.jsonl; 0 disables."""
     sample_max_tokens: int = 64
@@ -375,9 +377,9 @@ def train(cfg: Config, rank: int, world: int, device) -> int:
          f"on {device.type}, {precision.name}, {len(train_tokens)} train / {len(eval_tokens)} eval pairs, "
          f"{total_steps} steps x {cfg.batch_size} pairs ({accum} accumulation steps); peak host memory after "
          f"loading, GB by rank: {' '.join(f'{x:.2f}' for x in rss)}")
-    samples_file = open_log(os.path.join(cfg.out_dir, "samples.jsonl"), start_step) if rank == 0 else None
-    wandb_run = open_wandb(cfg.wandb_project, asdict(cfg), cfg.out_dir) if rank == 0 and cfg.wandb_project else None
     sample_prompts = [eval_tokens[i]["prompt"] for i in range(min(cfg.num_samples, len(eval_tokens)))]
+    samples_file = open_log(os.path.join(cfg.out_dir, "samples.jsonl"), start_step) if rank == 0 and sample_prompts else None
+    wandb_run = open_wandb(cfg.wandb_project, asdict(cfg), cfg.out_dir) if rank == 0 and cfg.wandb_project else None
 
     def log(row: dict, samples: list | None = None) -> None:
         for f, rows in ((metrics_file, [row]), (samples_file, samples or [])):
@@ -433,7 +435,7 @@ def train(cfg: Config, rank: int, world: int, device) -> int:
     stop = StopRequest()  # SIGTERM / SIGINT: finish this step, checkpoint it, exit
     batches, epoch, bad_steps = [], -1, 0
     nll = cfg.objective.loss == "sft" or cfg.objective.sft_weight > 0
-    if start_step == 0:
+    if start_step == 0 and cfg.eval_before:
         run_eval(0)  # the baseline: where the samples and the metrics start
     for step in range(start_step, total_steps):
         if step // steps_per_epoch != epoch:  # the data order is a function of (seed, epoch) only
@@ -508,8 +510,9 @@ def train(cfg: Config, rank: int, world: int, device) -> int:
         tokenizer.save_pretrained(final)
         with open(os.path.join(final, "train_config.json"), "w") as f:
             json.dump(asdict(cfg), f, indent=2)
-        metrics_file.close()
-        samples_file.close()
+        for f in (metrics_file, samples_file):
+            if f:
+                f.close()
         say(f"saved {final}")
         if not plot_metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), os.path.join(cfg.out_dir, "metrics.png")):
             say("matplotlib is not installed: no metrics.png (pip install matplotlib)")
