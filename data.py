@@ -99,7 +99,7 @@ def read_rows(spec: str) -> list[dict]:
         kind, row = _check_row(where, row)
         first = first or (where, kind)
         if kind != first[1]:
-            raise DataError(f"{where}: a {kind} row, but the first row ({first[0]}) is {first[1]}; "
+            raise DataError(f"{where}: this row is {kind}, but the first row ({first[0]}) is {first[1]}; "
                             f"mixed formats in one file are refused")
         rows.append(row)
     return rows
@@ -370,16 +370,18 @@ def prepare_data(config: DataConfig, tokenizer, cache_dir: str) -> tuple[PairTok
     settings and the tokenizer; every rank then memory-maps that file, so N ranks on a node share one copy,
     and later runs with the same inputs skip tokenizing. A DataError on rank 0 is raised on every rank."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    message = [None, None]  # [path, error]
+    message = [None, None, False]  # [path, error, whether it is bad data]
     if rank == 0:
         try:
             message[0] = _build_cache(config, tokenizer, cache_dir)
-        except DataError as e:
-            message[1] = str(e)
+        except Exception as e:  # the other ranks must hear of any failure, or they wait in the broadcast forever
+            message[1:], failure = [str(e), isinstance(e, DataError)], e
     if dist.is_initialized():
         dist.broadcast_object_list(message, src=0)
-    if message[1]:
-        raise DataError(message[1])
+    if message[1] is not None:
+        if rank == 0:
+            raise failure
+        raise DataError(message[1]) if message[2] else RuntimeError(f"rank 0 failed preparing data: {message[1]}")
     saved = torch.load(message[0], mmap=True, weights_only=True)
     summary = json.loads(saved["summary"])
     return (PairTokens(saved["train_ids"], saved["train_lengths"]),

@@ -469,7 +469,7 @@ def test_truncation_modes_and_dropped_pairs_are_counted(tmp_path):
 
 ROW_ERRORS = {
     "mixed.jsonl": ('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"chosen": "ab", "rejected": "ac"}\n',
-                    ":2: a implicit-prompt standard row, but the first row (", "mixed formats in one file are refused"),
+                    ":2: this row is implicit-prompt standard, but the first row (", "mixed formats in one file are refused"),
     "mixedfields.jsonl": ('{"prompt": "a", "chosen": [{"role": "assistant", "content": "b"}], "rejected": "c"}\n',
                           ":1: fields mix strings and message lists", ""),
     "badmessage.json": ('[\n{"prompt": [{"role": "user"}], "chosen": [], "rejected": []}]',
