@@ -192,7 +192,8 @@ def _check_row(where: str, row: object) -> tuple[str, dict]:
             raise DataError(f"{where}: field '{field}' must be a string or a list of messages, "
                             f"got {type(value).__name__}")
     if len(set(kinds.values())) > 1:
-        raise DataError(f"{where}: fields mix strings and message lists ({', '.join(f'{k}: {v}' for k, v in kinds.items())})")
+        shapes = ", ".join(f"{k}: {v}" for k, v in kinds.items())
+        raise DataError(f"{where}: fields mix strings and message lists ({shapes})")
     kind = kinds["chosen"] if "prompt" in kinds else f"implicit-prompt {kinds['chosen']}"
     return kind, {"prompt": row.get("prompt"), "chosen": row["chosen"], "rejected": row["rejected"], "where": where}
 

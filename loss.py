@@ -10,7 +10,8 @@ References
 - Hinge (SLiC): Zhao et al. 2023, "SLiC-HF", https://arxiv.org/abs/2305.10425 (Eq. 2, with delta = 1).
 - Robust DPO: Chowdhury et al. 2024, "Provably Robust DPO", https://arxiv.org/abs/2403.00409 (Eq. 8).
 - SimPO: Meng et al. 2024, "SimPO", https://arxiv.org/abs/2405.14734 (Eq. 6).
-- EXO: Ji et al. 2024, "Towards Efficient Exact Optimization of LM Alignment", https://arxiv.org/abs/2402.00856 (Eq. 16).
+- EXO: Ji et al. 2024, "Towards Efficient Exact Optimization of LM Alignment",
+  https://arxiv.org/abs/2402.00856 (Eq. 16).
 - NCA: Chen et al. 2024, "Noise Contrastive Alignment", https://arxiv.org/abs/2402.05369.
 - BCO: Jung et al. 2024, "Binary Classifier Optimization", https://arxiv.org/abs/2404.04656.
 - SPPO: Wu et al. 2024, "Self-Play Preference Optimization", https://arxiv.org/abs/2405.00675.

@@ -214,7 +214,8 @@ def evaluate(policy, reference, pairs: list, ref_table, cfg: Config, rank: int, 
     tokens_per_pair = pairs.lengths[:, 1].double().mean().item()
     for idx, batch in _sharded_batches(pairs, rank, world, cfg.micro_batch_size, pad_id, device):
         weight = torch.tensor([1.0] * len(idx) or [0.0], device=device)
-        out = forward_pairs(policy, reference, batch, cfg.objective, _ref_rows(ref_table, idx or [0]), tokens_per_pair)
+        ref_logps = _ref_rows(ref_table, idx or [0])
+        out = forward_pairs(policy, reference, batch, cfg.objective, ref_logps, tokens_per_pair)
         sums += torch.cat([pair_sums(out, weight), weight.sum()[None]])
     dist.all_reduce(sums)
     policy.train().reshard()  # see precompute_ref_logps
@@ -290,9 +291,9 @@ def get_lr(step: int, peak: float, warmup: int, total: int) -> float:
 # on resume (--max-steps, --epochs, --lr, --warmup-steps, precision, ...); the LR schedule follows the new values.
 _SAME_RUN = {"model": "--model", "data": "--data", "data_sha256": "the content of --data", "seed": "--seed",
              "eval_fraction": "--eval-fraction", "batch_size": "--batch-size", "max_length": "--max-length",
-             "max_prompt_length": "--max-prompt-length", "truncation": "--truncation", "loss": "--loss", "beta": "--beta",
-             "label_smoothing": "--label-smoothing", "simpo_gamma": "--simpo-gamma", "discopop_tau": "--discopop-tau",
-             "sft_weight": "--sft-weight"}
+             "max_prompt_length": "--max-prompt-length", "truncation": "--truncation", "loss": "--loss",
+             "beta": "--beta", "label_smoothing": "--label-smoothing", "simpo_gamma": "--simpo-gamma",
+             "discopop_tau": "--discopop-tau", "sft_weight": "--sft-weight"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -378,7 +379,8 @@ def train(cfg: Config, rank: int, world: int, device) -> int:
          f"{total_steps} steps x {cfg.batch_size} pairs ({accum} accumulation steps); peak host memory after "
          f"loading, GB by rank: {' '.join(f'{x:.2f}' for x in rss)}")
     sample_prompts = [eval_tokens[i]["prompt"] for i in range(min(cfg.num_samples, len(eval_tokens)))]
-    samples_file = open_log(os.path.join(cfg.out_dir, "samples.jsonl"), start_step) if rank == 0 and sample_prompts else None
+    samples_path = os.path.join(cfg.out_dir, "samples.jsonl")
+    samples_file = open_log(samples_path, start_step) if rank == 0 and sample_prompts else None
     wandb_run = open_wandb(cfg.wandb_project, asdict(cfg), cfg.out_dir) if rank == 0 and cfg.wandb_project else None
 
     def log(row: dict, samples: list | None = None) -> None:
@@ -409,7 +411,8 @@ def train(cfg: Config, rank: int, world: int, device) -> int:
                                    cfg.sample_temperature, cfg.seed)
             policy.reshard()  # see precompute_ref_logps
             text = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
-            samples = [{"step": step, "prompt": text(p), "completion": text(c)} for p, c in zip(sample_prompts, completions)]
+            samples = [{"step": step, "prompt": text(p), "completion": text(c)}
+                       for p, c in zip(sample_prompts, completions)]
             if demo:  # the demo's ground truth: the share of completions in the chosen (and the rejected) style
                 scores = [score_completion(s["completion"]) for s in samples]
                 m["samples/preferred"] = scores.count(1) / len(scores)
@@ -444,7 +447,8 @@ def train(cfg: Config, rank: int, world: int, device) -> int:
             batches = build_batches(len(train_tokens), cfg.batch_size, rank, world, cfg.seed, epoch, lengths)
             # The NLL is a token mean over the whole batch: every rank counts the global batch's chosen tokens.
             whole = build_batches(len(train_tokens), cfg.batch_size, 0, 1, cfg.seed, epoch, lengths) if nll else None
-        tokens_per_pair = train_tokens.lengths[whole[step % steps_per_epoch], 1].double().mean().item() if nll else None
+        chosen_tokens = train_tokens.lengths[whole[step % steps_per_epoch], 1] if nll else None
+        tokens_per_pair = chosen_tokens.double().mean().item() if nll else None
         step_t0 = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = get_lr(step, lr, cfg.warmup_steps, total_steps)
