@@ -279,9 +279,10 @@ def tokenize_pairs(rows: list[dict], tokenizer, config: DataConfig) -> tuple[Pai
     prefix = _leading_special_ids(tokenizer)
     counts = dict.fromkeys(("dropped_empty", "dropped_identical", "truncated", "truncated_prompts",
                             "truncated_responses", "retokenized"), 0)
-    flat, lengths, raw = [], [], {"prompt": [], "response": [], "pair": []}
+    done, lengths, raw = [], [], {"prompt": [], "response": [], "pair": []}
     chunk = 2048
     for s in range(0, len(rows), chunk):
+        flat = []  # this chunk's ids, packed into int32 below: Python ints cost 8+ bytes each
         if len(rows) > 10 * chunk and (s // chunk) % 10 == 0:
             _say(f"tokenizing: {s}/{len(rows)} pairs")
         texts = [_render(row, tokenizer) for row in rows[s:s + chunk]]
@@ -322,7 +323,9 @@ def tokenize_pairs(rows: list[dict], tokenizer, config: DataConfig) -> tuple[Pai
                     chosen, rejected = chosen[:room], rejected[:room]
             flat += prompt + chosen + rejected
             lengths.append((len(prompt), len(chosen), len(rejected)))
-    tokens = PairTokens(torch.tensor(flat, dtype=torch.int32), torch.tensor(lengths, dtype=torch.long).view(-1, 3))
+        done.append(torch.tensor(flat, dtype=torch.int32))
+    ids = torch.cat(done) if done else torch.zeros(0, dtype=torch.int32)
+    tokens = PairTokens(ids, torch.tensor(lengths, dtype=torch.long).view(-1, 3))
     dropped = counts["dropped_empty"] + counts["dropped_identical"]
     summary = {"pairs": len(tokens), "dropped": dropped, **counts,
                "tokens_before_truncation": {k: _percentiles(v) for k, v in raw.items()}}
