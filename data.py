@@ -151,6 +151,10 @@ def _read_json_array(path: str, text: str, start: int) -> list[tuple[str, object
 
 
 def _read_hub(spec: str) -> list[tuple[str, object]]:
+    return [(f"{spec} row {i + 1}", row) for i, row in enumerate(_load_hub(spec))]
+
+
+def _load_hub(spec: str):
     """hub:NAME[:split] through the datasets package; NAME may be a folder written by save_to_disk."""
     name, _, split = spec[len("hub:"):].partition(":")
     try:
@@ -165,7 +169,7 @@ def _read_hub(spec: str) -> list[tuple[str, object]]:
             ds = datasets.load_dataset(name, split=split or "train")
     except Exception as e:  # the datasets package raises many types; all mean "cannot read this spec"
         raise DataError(f"{spec}: cannot load ({type(e).__name__}: {str(e).strip().splitlines()[0]})") from None
-    return [(f"{spec} row {i + 1}", row) for i, row in enumerate(ds)]
+    return ds
 
 
 def _check_row(where: str, row: object) -> tuple[str, dict]:
@@ -419,14 +423,10 @@ def _build_cache(config: DataConfig, tokenizer, cache_dir: str) -> str:
 
 
 def _fingerprint(spec: str) -> str:
-    """What identifies a source's content: the file's sha256, or the datasets package's own fingerprint."""
+    """What identifies a source's content: the file's sha256, or the datasets package's own fingerprint (a hash
+    of the dataset's data and history, kept by save_to_disk)."""
     if spec.startswith("hub:"):
-        name, _, split = spec[len("hub:"):].partition(":")
-        if not os.path.isdir(name):
-            return spec  # a hub dataset is identified by its name (the datasets package caches its revision)
-        files = sorted((f, os.path.getsize(os.path.join(name, root, f)))
-                       for root, _, fs in os.walk(name) for f in fs)
-        return f"{spec}:{json.dumps(files)}:{os.path.getmtime(name)}"
+        return f"{spec}:{_load_hub(spec)._fingerprint}"
     if not os.path.isfile(spec):
         raise DataError(f"{spec}: no such file (give a .jsonl/.json path, hub:NAME[:split] or demo)")
     h = hashlib.sha256()

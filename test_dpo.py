@@ -520,6 +520,15 @@ def test_hub_path_reads_a_saved_dataset_like_the_file(tmp_path, monkeypatch):
     hub = read_rows(f"hub:{tmp_path / 'ds'}")
     assert strip(hub) == rows and hub[4]["where"] == f"hub:{tmp_path / 'ds'} row 5"
     assert strip(read_rows(f"hub:{tmp_path / 'dd'}:test")) == rows[:2]
+    # Through prepare_data: cached under the dataset's fingerprint, a new key when the saved data changes.
+    _, tok = tiny(seed=0)
+    first, _, _ = prepare_data(DataConfig(data=(f"hub:{tmp_path / 'ds'}",)), tok, str(tmp_path / "cache"))
+    assert [first[i] for i in range(5)] == tokenize(rows, tok, 512, 256)
+    datasets.Dataset.from_list(rows[:3]).save_to_disk(str(tmp_path / "ds2"))
+    shutil.rmtree(tmp_path / "ds")
+    (tmp_path / "ds2").rename(tmp_path / "ds")
+    again, _, _ = prepare_data(DataConfig(data=(f"hub:{tmp_path / 'ds'}",)), tok, str(tmp_path / "cache"))
+    assert len(again) == 3 and len(os.listdir(tmp_path / "cache")) == 2
     with pytest.raises(DataError, match=r"hub:.*dd:nosplit: cannot load \(KeyError"):
         read_rows(f"hub:{tmp_path / 'dd'}:nosplit")
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
