@@ -78,8 +78,9 @@ def show_progress(step: int, total: int, m: dict) -> None:
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     done = int(30 * step / total)
-    line = (f"step {step}/{total} [{'#' * done}{'.' * (30 - done)}] loss {m['loss']:.4f} "
-            f"acc {m['rewards/accuracies']:.2f} margin {m['rewards/margins']:.3f} {m['tokens_per_s']:.0f} tok/s")
+    pairs = f"acc {m['rewards/accuracies']:.2f} margin {m['rewards/margins']:.3f} " if "rewards/margins" in m else ""
+    line = (f"step {step}/{total} [{'#' * done}{'.' * (30 - done)}] loss {m['loss']:.4f} {pairs}"
+            f"{m['tokens_per_s']:.0f} tok/s")
     if sys.stderr.isatty():
         print("\r" + line, end="\n" if step == total else "", file=sys.stderr, flush=True)
     elif step == total or step % max(total // 20, 1) == 0:
@@ -116,7 +117,8 @@ def plot_metrics(jsonl_path: str, png_path: str) -> bool:
             if points:
                 ax.plot(*zip(*points), style, label=split)
         ax.set(title=key, xlabel="step")
-        ax.legend()
+        if ax.lines:  # SFT has no rewards to plot
+            ax.legend()
     fig.savefig(png_path + ".tmp.png")
     os.replace(png_path + ".tmp.png", png_path)
     return True

@@ -1111,6 +1111,7 @@ def test_sft_stage_logs_hf_token_mean_nll_then_feeds_dpo(tmp_path):
             count += len(p["chosen"])
     (step1, _) = read_metrics(out)
     assert step1["loss"] == pytest.approx(nll / count, rel=1e-5)
+    assert "logps/chosen" in step1 and not {"rewards/accuracies", "logps/rejected"} & set(step1)  # not computed
     assert read_metrics(out, "eval")[-1]["loss"] < read_metrics(out, "eval")[0]["loss"]
     # The classic pipeline: DPO starts from the SFT export (reference = that model, so the loss starts at ln 2).
     dpo = run(tmp_path, "dpo", "--model", os.path.join(out, "final"), "--lr", "1e-4", "--max-steps", "1",
@@ -1135,6 +1136,12 @@ def test_sft_weight_adds_the_weighted_chosen_nll():
                   for p in pairs]  # each pair's summed NLL
             expected = [0.5 * x / per_pair for x in hf]
             assert (rpo["losses"] - plain["losses"]).tolist() == pytest.approx(expected, rel=1e-4)
+        # SFT alone: the same NLL with weight 1, and only the 4 chosen rows go through the model.
+        rows = []
+        hook = policy.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
+        sft = train_dpo.forward_pairs(policy, None, batch, train_dpo.LossConfig(loss="sft"), tokens_per_pair=per_pair)
+        hook.remove()
+        assert rows == [4] and sft["losses"].tolist() == pytest.approx([x / per_pair for x in hf], rel=1e-4)
     with pytest.raises(ValueError, match="--sft-weight"):
         train_dpo.LossConfig(loss="sft", sft_weight=1.0)
 

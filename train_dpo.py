@@ -161,7 +161,12 @@ def forward_pairs(policy, reference, batch: dict, objective: LossConfig, ref_log
     if ref_logps is None and reference is not None:  # first, so its logits are freed before the policy's exist
         with torch.no_grad():
             ref_logps = model_logps(reference, batch, objective.average_logps)
-    chosen, rejected = model_logps(policy, batch, objective.average_logps).chunk(2)
+    if objective.loss == "sft":  # only the chosen rows train: running the rejected ones too would double the cost
+        n = len(batch["input_ids"]) // 2
+        chosen = model_logps(policy, {k: v[:n] if torch.is_tensor(v) else v for k, v in batch.items()}, False)
+        rejected = torch.zeros_like(chosen)  # not computed; train() drops the metrics that would use it
+    else:
+        chosen, rejected = model_logps(policy, batch, objective.average_logps).chunk(2)
     ref_chosen, ref_rejected = ref_logps.chunk(2) if ref_logps is not None else (None, None)
     losses, chosen_rewards, rejected_rewards = preference_loss(
         chosen, rejected, ref_chosen, ref_rejected, loss_type=objective.loss, beta=objective.beta,
@@ -219,7 +224,13 @@ def evaluate(policy, reference, pairs: list, ref_table, cfg: Config, rank: int, 
         sums += torch.cat([pair_sums(out, weight), weight.sum()[None]])
     dist.all_reduce(sums)
     policy.train().reshard()  # see precompute_ref_logps
-    return pair_means(sums[:-1], sums[-1].item())
+    return _means(sums[:-1], sums[-1].item(), cfg.objective)
+
+
+def _means(sums: torch.Tensor, count: float, objective: LossConfig) -> dict:
+    """pair_means, less what SFT does not compute: rejected log-probs, so rewards, accuracy and margin."""
+    m = pair_means(sums, count)
+    return {k: v for k, v in m.items() if k in ("loss", "logps/chosen")} if objective.loss == "sft" else m
 
 
 @torch.no_grad()
@@ -418,8 +429,9 @@ def train(cfg: Config, rank: int, world: int, device) -> int:
                 m["samples/preferred"] = scores.count(1) / len(scores)
                 m["samples/rejected_style"] = scores.count(-1) / len(scores)
         log({"step": step, "split": "eval", **m, "elapsed_s": time.perf_counter() - t0}, samples)
-        say(f"eval at step {step} ({len(eval_tokens)} pairs): loss {m['loss']:.4f} reward accuracy "
-            f"{m['rewards/accuracies']:.3f} margin {m['rewards/margins']:.3f}"
+        say(f"eval at step {step} ({len(eval_tokens)} pairs): loss {m['loss']:.4f}"
+            + (f" reward accuracy {m['rewards/accuracies']:.3f} margin {m['rewards/margins']:.3f}"
+               if "rewards/margins" in m else "")
             + (f" | demo scorer prefers {m['samples/preferred']:.0%} of samples" if "samples/preferred" in m else "")
             + (f" | {samples[0]['prompt']!r} -> {samples[0]['completion']!r}" if samples else ""))
 
@@ -464,7 +476,7 @@ def train(cfg: Config, rank: int, world: int, device) -> int:
             loss = out["losses"].sum() / (cfg.batch_size // world)
             (scaler.scale(loss) if scaler else loss).backward()
             ones = torch.ones(len(idx), device=device)
-            mask = batch["attention_mask"]
+            mask = batch["attention_mask"][:len(idx) if cfg.objective.loss == "sft" else None]  # rows forwarded
             sums += torch.cat([pair_sums(out, ones), mask.sum()[None], torch.tensor([mask.numel()], device=device)])
         dist.all_reduce(sums)  # one collective per step for the metrics; one more for maxima:
         peaks = torch.tensor([peak_memory_gb(device), float(stop.signum > 0)], device=device)
@@ -473,7 +485,7 @@ def train(cfg: Config, rank: int, world: int, device) -> int:
         grad_norm, skipped = clip_and_step(policy, optimizer, scaler, cfg.max_grad_norm, loss_sum=sums[0])
         bad_steps = bad_steps + 1 if skipped else 0
         dt = time.perf_counter() - step_t0
-        m = pair_means(sums[:-2], cfg.batch_size)
+        m = _means(sums[:-2], cfg.batch_size, cfg.objective)
         tokens = sums[-2].item()
         m.update({"grad_norm": grad_norm.item(), "lr": optimizer.param_groups[0]["lr"],
                   "tokens_per_s": tokens / dt, "pairs_per_s": cfg.batch_size / dt,
