@@ -10,7 +10,7 @@ Copyable on its own: imports only the standard library and torch.
     stop = StopRequest()                                   # SIGTERM/SIGINT: finish the step, save, exit
 
 A checkpoint folder holds the model and optimizer shards (DCP), trainer_state.json (the caller's extra plus
-the world size) and rng-rank{r}.pt per rank (torch CPU and CUDA, and Python generator states).
+the world size) and rng-rank{r}.pt per rank (torch CPU, the rank's own GPU and Python generator states).
 """
 
 import json
@@ -46,8 +46,9 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: Optimizer
     dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+    device = _device_of(model)  # only this rank's own GPU: another process may see fewer GPUs on resume
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
-           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+           "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
     torch.save(rng, os.path.join(tmp, f"rng-rank{rank}.pt"))
     dist.barrier()  # every rank's part is on disk
     if rank == 0:
@@ -105,9 +106,14 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizer) -> bool:
     rng = torch.load(os.path.join(path, f"rng-rank{dist.get_rank()}.pt"), weights_only=True)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
-    if rng["cuda"]:
-        torch.cuda.set_rng_state_all(rng["cuda"])
+    device = _device_of(model)
+    if rng["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], device)
     return True
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 def check_same_run(saved: dict, current: dict, fixed: dict[str, str]) -> None:

@@ -54,8 +54,8 @@ class DataConfig:
     """Share of --data held out for evaluation (a fixed, seed-independent choice); 0 with no --eval-data: none."""
     max_length: int = 512
     """Most tokens in prompt plus response; longer pairs are truncated."""
-    max_prompt_length: int = 256
-    """Most prompt tokens kept when a pair is longer than --max-length."""
+    max_prompt_length: int | None = None
+    """Most prompt tokens kept when a pair is longer than --max-length. Default: half of --max-length."""
     truncation: Literal["keep_end", "keep_start"] = "keep_end"
     """Which part of a too-long prompt is kept: its end (nearest the response) or its start. A leading BOS stays."""
     group_by_length: bool = True
@@ -64,13 +64,19 @@ class DataConfig:
     def __post_init__(self):
         self.data = tuple(s for spec in self.data for s in spec.split(",") if s)
         self.eval_data = tuple(s for spec in self.eval_data for s in spec.split(",") if s)
-        if not 0 < self.max_prompt_length < self.max_length:
-            raise ValueError(f"need 0 < --max-prompt-length ({self.max_prompt_length}) < --max-length "
+        if not 0 < self.prompt_limit < self.max_length:
+            raise ValueError(f"need 0 < --max-prompt-length ({self.prompt_limit}) < --max-length "
                              f"({self.max_length}), so every response keeps at least one token")
         if not 0 <= self.eval_fraction < 1:
             raise ValueError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
         if self.eval_fraction and self.eval_data:
             raise ValueError("give --eval-data or --eval-fraction, not both")
+
+    @property
+    def prompt_limit(self) -> int:
+        """--max-prompt-length, or its default: half of --max-length. (Resolved here, not stored: the CLI's
+        defaults come from a default instance, which must not pin a value for one --max-length.)"""
+        return self.max_length // 2 if self.max_prompt_length is None else self.max_prompt_length
 
 
 class DataError(ValueError):
@@ -318,9 +324,9 @@ def tokenize_pairs(rows: list[dict], tokenizer, config: DataConfig) -> tuple[Pai
             raw["pair"].append(len(prompt) + longest)
             if len(prompt) + longest > config.max_length:
                 counts["truncated"] += 1
-                if len(prompt) > config.max_prompt_length:
+                if len(prompt) > config.prompt_limit:
                     counts["truncated_prompts"] += 1
-                    prompt = _cut_prompt(prompt, prefix, config.max_prompt_length, config.truncation)
+                    prompt = _cut_prompt(prompt, prefix, config.prompt_limit, config.truncation)
                 room = config.max_length - len(prompt)
                 if longest > room:
                     counts["truncated_responses"] += 1
@@ -542,7 +548,7 @@ def inspect(argv: list[str] | None = None) -> None:
     parser.add_argument("path", help="file(s) (comma-separated) or hub:NAME[:split]")
     parser.add_argument("--model", required=True, help='hub id, folder, or "tiny" (train_dpo.py\'s byte tokenizer)')
     parser.add_argument("--max-length", type=int, default=DataConfig.max_length)
-    parser.add_argument("--max-prompt-length", type=int, default=DataConfig.max_prompt_length)
+    parser.add_argument("--max-prompt-length", type=int, help="default: half of --max-length")
     parser.add_argument("--truncation", choices=("keep_end", "keep_start"), default=DataConfig.truncation)
     parser.add_argument("--show", type=int, default=3, help="pairs to print")
     args = parser.parse_args(argv)

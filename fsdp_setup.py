@@ -2,54 +2,81 @@
 
 Copyable on its own: imports only the standard library and torch.
 
-    rank, world, device = init_distributed()        # torchrun's env, or a world of one
+    rank, world, device = init_distributed()        # torchrun's env, or a world of one; nccl + gloo on CUDA
     with torch.device("meta"):
         model = build_model()                        # no memory on any rank
     apply_ac(model)                                  # optional; always before apply_fsdp
-    apply_fsdp(model, mp_policy)                     # each transformer block, then the root
+    apply_fsdp(model, mp_policy, device)             # each transformer block, then the root
     load_from_rank0(model, full_model_or_None, device)   # only rank 0 ever holds the full weights
-    state = gather_full_state_dict(model)            # full float32 weights on rank 0, {} elsewhere
+    state = gather_full_state_dict(model)            # full weights on rank 0 (ties kept), {} elsewhere
 """
 
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
 @dataclass
 class FSDPConfig:
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """Where to train: auto is cuda when a GPU is visible (nccl for GPU tensors, gloo for CPU ones), else cpu (gloo)."""
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward (non-reentrant): less memory, ~1/3 more compute."""
     reshard_after_forward: bool = True
-    """Free each block's gathered parameters after forward and gather again in backward (ZeRO-3); off is ZeRO-2."""
+    """Free each block's gathered parameters after forward and gather again in backward (ZeRO-3); off is ZeRO-2.
+    A frozen reference always reshards: it has no backward that would."""
+    unsharded_grad_accumulation: bool = False
+    """Accumulate micro-batch gradients unsharded and reduce-scatter once per step: fewer collectives, but every
+    rank holds a full gradient in the reduce dtype (float32: 4 bytes per parameter) until the last micro-batch.
+    Off: reduce-scatter after every micro-batch, so only gradient shards are ever kept."""
 
 
-def init_distributed(timeout_s: int = 1800) -> tuple[int, int, torch.device]:
+def init_distributed(device: str = "auto", timeout_s: int = 1800) -> tuple[int, int, torch.device]:
     """Start the process group; returns (rank, world_size, device).
 
-    Under torchrun (RANK is set) the rendezvous comes from its environment: nccl with one GPU per local
-    rank when CUDA is available, gloo on CPU. Without torchrun this process is a world of one, so FSDP2
-    and every collective run through exactly the same code.
+    device: "cuda", "cpu", or "auto" (cuda when a GPU is visible). Under torchrun (RANK is set) the rendezvous
+    comes from its environment; without it this process is a world of one, so FSDP2 and every collective run
+    through exactly the same code. On CUDA the group has two backends: nccl for CUDA tensors and gloo for CPU
+    ones. Our own collectives use device tensors, but PyTorch's object collectives, barriers and checkpoint
+    planning, and any CPU tensor a later change reduces, then work too instead of failing only on GPUs.
     """
-    cuda = torch.cuda.is_available()
-    backend = "nccl" if cuda else "gloo"
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if device not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"--device {device!r} is not one of auto, cuda, cpu")
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if cuda and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible to this process")
+    device = torch.device("cuda", _local_gpu()) if cuda else torch.device("cpu")
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
     if cuda:
         torch.cuda.set_device(device)
     if "RANK" in os.environ:
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device if cuda else None)
     else:
         # A HashStore needs no free port, so two single-process runs on one machine never collide.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=device if cuda else None)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def _local_gpu() -> int:
+    """This process's GPU: its local rank among the visible ones, or the only one when a launcher (SLURM,
+    Kubernetes) shows each process one GPU of its own."""
+    local_rank, visible = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+    if visible == 1:
+        return 0
+    if local_rank >= visible:
+        raise ValueError(f"LOCAL_RANK {local_rank} but this process sees only {visible} GPUs: start at most "
+                         f"{visible} processes per node, or show each process its own GPU (CUDA_VISIBLE_DEVICES)")
+    return local_rank
 
 
 def find_block_class(model: nn.Module) -> type[nn.Module]:
@@ -80,21 +107,24 @@ def apply_ac(model: nn.Module) -> None:
         checkpoint(block)
 
 
-def apply_fsdp(model: nn.Module, mp_policy: MixedPrecisionPolicy, frozen: bool = False,
+def apply_fsdp(model: nn.Module, mp_policy: MixedPrecisionPolicy, device: torch.device, frozen: bool = False,
                reshard_after_forward: bool = True) -> nn.Module:
-    """Shard `model` in place with FSDP2: each transformer block, then the root.
+    """Shard `model` in place with FSDP2 over every rank on `device`: each transformer block, then the root.
 
     The root group holds everything outside the blocks (embeddings, final norm, output layer). Tied input
     and output embeddings are one parameter there, so the tie survives sharding and is gathered once.
     frozen=True prepares a reference model: no gradients, eval mode, same sharding.
     """
+    # An explicit mesh: FSDP2's default mesh takes CUDA whenever a GPU is visible, even for a CPU model.
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     if frozen:
         model.requires_grad_(False).eval()
+    # A frozen model has no backward, which is what reshards a block kept gathered after forward: it always
+    # reshards, or every rank would hold the whole reference. A trained root stays gathered after forward
+    # (FSDP2's default), as backward needs it at once.
     for block in _blocks(model):
-        fully_shard(block, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    # A trained root stays gathered after forward (FSDP2's default), as backward needs it at once; a frozen
-    # one has no backward, so it reshards, rather than hold the embeddings and output layer gathered for good.
-    fully_shard(model, mp_policy=mp_policy, reshard_after_forward=True if frozen else None)
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward or frozen)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=True if frozen else None)
     return model
 
 
@@ -115,7 +145,17 @@ def load_from_rank0(model: nn.Module, full_model: nn.Module | None, device: torc
         dist.broadcast(buf, src=0)
 
 
-def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full, unsharded state dict on CPU in the master dtype on rank 0; an empty dict on other ranks."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
+def gather_full_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Full, unsharded state dict on CPU on rank 0, floating tensors cast to `dtype` (default: the master
+    dtype); an empty dict on other ranks. Tied parameters (input and output embeddings) are one tensor under
+    each of their names, as in the model, so save_pretrained writes them once whatever the world size."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    first = {}  # id(parameter) -> its first name: gathered over several ranks, each alias got a copy of its own
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name in state:
+            state[name] = state[first.setdefault(id(param), name)]
+    if dtype is not None:  # each tensor once, so aliases stay one tensor
+        unique = {id(v): v for v in state.values() if v.is_floating_point()}
+        cast = {i: v.to(dtype) for i, v in unique.items()}
+        state = {k: cast.get(id(v), v) for k, v in state.items()}
+    return state

@@ -89,8 +89,9 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, average: bool = F
     No float32 copy of the logits is made: the log-softmax runs in float32 over chunks of counted
     positions only, and backward recomputes it chunk by chunk from the saved log-sum-exp (see _TokenLogps).
     """
-    if logits.shape[:2] != labels.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on (B, T)")
+    if logits.shape[:2] != labels.shape or logits.device != labels.device:
+        raise ValueError(f"logits {tuple(logits.shape)} on {logits.device} and labels {tuple(labels.shape)} on "
+                         f"{labels.device} must agree on (B, T) and device")
     mask = labels[:, 1:] != IGNORE_INDEX  # (B, T-1): position t of the logits scores label t+1
     rows, cols = mask.nonzero(as_tuple=True)  # (N,) each: the counted positions
     token_logps = _TokenLogps.apply(logits, rows, cols, labels[:, 1:][mask])  # (N,) float32

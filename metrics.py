@@ -44,9 +44,10 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def host_memory_by_rank_gb() -> list[float]:
-    """Every rank's peak host memory so far (max RSS), in GB; a collective."""
-    rss = torch.zeros(dist.get_world_size())
+def host_memory_by_rank_gb(device: torch.device) -> list[float]:
+    """Every rank's peak host memory so far (max RSS), in GB; a collective over a tensor on `device` (the
+    training device: an nccl-only group takes no CPU tensor)."""
+    rss = torch.zeros(dist.get_world_size(), device=device)
     rss[dist.get_rank()] = peak_memory_gb(torch.device("cpu"))
     dist.all_reduce(rss)
     return rss.tolist()

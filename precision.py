@@ -9,7 +9,11 @@ float32; only the all-gathered copy used for forward and backward takes the comp
     fp32   float32            float32                   no
     bf16   bfloat16           float32                   no
     fp16   float16            float32                   torch.amp.GradScaler
-    auto   bf16 on a CUDA device that supports it, otherwise fp32
+    auto   bf16 on a CUDA device with native bfloat16 (Ampere or newer), otherwise fp32
+
+On a CPU, auto is fp32: bf16 is fast only with native bf16 instructions (avx512_bf16 or AMX: 1.6x fp32 on the
+2-core bench machine) and crawls without them (AVX2 only: 35x slower), while float32 gives the same numbers on
+every CPU. An explicit bf16 on a CPU without them says so once (Precision.warning).
 
 --reduce-dtype bf16 (with bf16 only) trades the float32 gradient reduction for half the traffic.
 """
@@ -43,6 +47,8 @@ class Precision:
     """FSDP2 policy: gather parameters in compute_dtype, reduce gradients in float32 (or bf16 if asked)."""
     scaler: torch.amp.GradScaler | None
     """Dynamic loss scaler for fp16, else None."""
+    warning: str | None = None
+    """Why this choice will be slow on this machine, for the caller to print once; None when it will not."""
 
 
 def resolve_precision(config: PrecisionConfig, device: torch.device) -> Precision:
@@ -54,11 +60,13 @@ def resolve_precision(config: PrecisionConfig, device: torch.device) -> Precisio
     name, choices = config.precision, ", ".join(get_args(PrecisionName))
     if name not in get_args(PrecisionName):
         raise ValueError(f"--precision {name!r} is not one of {choices}")
+    # Emulation does not count: a V100 or T4 "supports" bf16 through float32 kernels, far slower than fp16.
+    native_gpu_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
     if name == "auto":
-        name = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-    if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        name = "bf16" if native_gpu_bf16 else "fp32"
+    if name == "bf16" and device.type == "cuda" and not native_gpu_bf16:
         gpu = torch.cuda.get_device_name(device)
-        raise ValueError(f"--precision bf16: {gpu} has no bfloat16 support; choose fp16 or fp32 ({choices})")
+        raise ValueError(f"--precision bf16: {gpu} has no native bfloat16; choose fp16 or fp32 ({choices})")
     if name != "fp32" and device.type not in ("cuda", "cpu"):
         raise ValueError(f"--precision {name}: not supported on device {device.type}; choose fp32 ({choices})")
     if config.reduce_dtype not in ("fp32", "bf16"):
@@ -69,7 +77,22 @@ def resolve_precision(config: PrecisionConfig, device: torch.device) -> Precisio
     # Float32 by default: summing N bf16/fp16 gradients loses bits, and fp16 can overflow mid-reduction.
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=_DTYPES[config.reduce_dtype])
     scaler = torch.amp.GradScaler(device.type) if name == "fp16" else None
-    return Precision(name=name, compute_dtype=dtype, mp_policy=policy, scaler=scaler)
+    warning = None
+    if name == "bf16" and device.type == "cpu" and cpu_has_native_bf16() is False:
+        warning = ("--precision bf16: this CPU has no native bfloat16 (no avx512_bf16 or amx_bf16 in /proc/cpuinfo), "
+                   "so every bf16 matmul is emulated, ~35x slower than fp32; --precision fp32 (or auto) is faster here")
+    return Precision(name=name, compute_dtype=dtype, mp_policy=policy, scaler=scaler, warning=warning)
+
+
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
+    """Whether this CPU computes bfloat16 natively (x86: avx512_bf16 or amx_bf16; Arm: bf16), from Linux's
+    /proc/cpuinfo; None where that file does not exist (macOS, Windows)."""
+    try:
+        with open(cpuinfo) as f:
+            flags = {word for line in f if line.startswith(("flags", "Features")) for word in line.split()}
+    except FileNotFoundError:
+        return None
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
@@ -91,6 +114,9 @@ def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scal
         if scaler:
             scaler.update()
     elif scaler:
+        # Back off by hand: the gradients are sharded, so this rank's own overflow check may have seen none. And
+        # restart the growth count, which update(scale) keeps, or the scale regrows at the next good step.
         scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
+        scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": 0})
     optimizer.zero_grad(set_to_none=True)
     return norm, skipped

@@ -69,7 +69,8 @@ class Config:
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
     max_skipped_steps: int = 5
-    """Stop after this many consecutive steps with a non-finite loss or gradient norm (each skipped on all ranks)."""
+    """Stop after this many consecutive steps with a non-finite loss or gradient norm (each skipped on all ranks).
+    fp16 steps whose loss is finite but whose gradients overflow only lower the loss scale and do not count."""
     out_dir: str = "runs/dpo"
     """Where metrics.jsonl, checkpoints/ and final/ (the Hugging Face export) go."""
     eval_every: int = 0
@@ -147,7 +148,7 @@ def build_sharded(config, full_model, cfg: Config, precision, device, frozen: bo
     model.get_output_embeddings().register_forward_pre_hook(lambda module, args: (args[0].contiguous(), *args[1:]))
     if cfg.fsdp.activation_checkpointing and not frozen:
         apply_ac(model)
-    apply_fsdp(model, precision.mp_policy, frozen=frozen, reshard_after_forward=cfg.fsdp.reshard_after_forward)
+    apply_fsdp(model, precision.mp_policy, device, frozen=frozen, reshard_after_forward=cfg.fsdp.reshard_after_forward)
     load_from_rank0(model, full_model, device)
     return model
 
@@ -307,14 +308,26 @@ _SAME_RUN = {"model": "--model", "data": "--data", "data_sha256": "the content o
              "discopop_tau": "--discopop-tau", "sft_weight": "--sft-weight"}
 
 
+def _raise_config_error(event) -> None:
+    """A config's own ValueError (e.g. --max-prompt-length not below --max-length) reaches main() as one line,
+    instead of tyro's multi-line box. (tyro._errors is tyro's experimental hook; tyro is pinned.)"""
+    if isinstance(event, tyro._errors.InstantiationFailure) and event.argument is None:  # not a bad value's
+        raise ValueError(event.message)
+
+
 def main(argv: list[str] | None = None) -> None:
     transformers.utils.logging.disable_progress_bar()
     try:  # repeated --data / --eval-data flags append
-        cfg = tyro.cli(Config, args=argv, config=(tyro.conf.UseAppendAction,))
+        with tyro._errors.on_parse_error(_raise_config_error):
+            cfg = tyro.cli(Config, args=argv, config=(tyro.conf.UseAppendAction,))
     except ValueError as e:
         say(f"error: {e}")
         sys.exit(2)
-    rank, world, device = init_distributed()
+    try:
+        rank, world, device = init_distributed(cfg.fsdp.device)
+    except ValueError as e:
+        say(f"error: {e}")
+        sys.exit(2)
     try:
         code = train(cfg, rank, world, device)
     finally:
@@ -329,6 +342,8 @@ def train(cfg: Config, rank: int, world: int, device) -> int:
     try:
         accum = cfg.validate(world)
         precision = resolve_precision(cfg.mixed_precision, device)
+        if precision.warning:
+            say(f"warning: {precision.warning}")
         config, tokenizer = load_model_config(cfg.model)
         max_positions = getattr(config, "max_position_embeddings", None)
         if max_positions and cfg.dataset.max_length > max_positions:
@@ -365,7 +380,7 @@ def train(cfg: Config, rank: int, world: int, device) -> int:
     online_ref = not cfg.objective.reference_free and cfg.ref == "online"
     reference = build_sharded(config, full_model, cfg, precision, device, frozen=True) if online_ref else None
     del full_model
-    rss = host_memory_by_rank_gb()
+    rss = host_memory_by_rank_gb(device)
     ref_train = ref_eval = None
     if not cfg.objective.reference_free and cfg.ref == "precompute":  # before any checkpoint replaces the weights
         key = {"model": _model_identity(cfg.model, config, cfg.seed), "data": data_summary["fingerprint"],
@@ -385,9 +400,9 @@ def train(cfg: Config, rank: int, world: int, device) -> int:
             "" if same_rng else f" (saved on {saved['world_size']} ranks: random generators not restored)"))
     os.makedirs(cfg.out_dir, exist_ok=True)
     metrics_file = open_log(os.path.join(cfg.out_dir, "metrics.jsonl"), start_step) if rank == 0 else None
-    say(f"{cfg.model}: {sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M params, {world} rank(s) "
-         f"on {device.type}, {precision.name}, {len(train_tokens)} train / {len(eval_tokens)} eval pairs, "
-         f"{total_steps} steps x {cfg.batch_size} pairs ({accum} accumulation steps); peak host memory after "
+    say(f"{cfg.model}: {sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M params, {world} rank(s) on "
+         f"{device} ({dist.get_backend()}), {precision.name}, {len(train_tokens)} train / {len(eval_tokens)} eval "
+         f"pairs, {total_steps} steps x {cfg.batch_size} pairs ({accum} accumulation steps); peak host memory after "
          f"loading, GB by rank: {' '.join(f'{x:.2f}' for x in rss)}")
     sample_prompts = [eval_tokens[i]["prompt"] for i in range(min(cfg.num_samples, len(eval_tokens)))]
     samples_path = os.path.join(cfg.out_dir, "samples.jsonl")
@@ -469,23 +484,26 @@ def train(cfg: Config, rank: int, world: int, device) -> int:
         for micro in range(accum):
             idx = mine[micro * cfg.micro_batch_size:(micro + 1) * cfg.micro_batch_size]
             batch = _to(collate_pairs([train_tokens[i] for i in idx], pad_id), device)
-            # Reduce-scatter gradients only once, after the last micro-batch.
-            policy.set_requires_gradient_sync(micro == accum - 1)
+            # By default every micro-batch's gradient is reduce-scattered at once, so no rank holds a full one.
+            policy.set_requires_gradient_sync(not cfg.fsdp.unsharded_grad_accumulation or micro == accum - 1)
             out = forward_pairs(policy, reference, batch, cfg.objective, _ref_rows(ref_train, idx), tokens_per_pair)
             # Per-rank sum / per-rank batch; FSDP averages over ranks: the mean over the global batch.
             loss = out["losses"].sum() / (cfg.batch_size // world)
             (scaler.scale(loss) if scaler else loss).backward()
             ones = torch.ones(len(idx), device=device)
             mask = batch["attention_mask"][:len(idx) if cfg.objective.loss == "sft" else None]  # rows forwarded
-            sums += torch.cat([pair_sums(out, ones), mask.sum()[None], torch.tensor([mask.numel()], device=device)])
+            sums += torch.cat([pair_sums(out, ones), mask.sum()[None], torch.full((1,), mask.numel(), device=device)])
         dist.all_reduce(sums)  # one collective per step for the metrics; one more for maxima:
         peaks = torch.tensor([peak_memory_gb(device), float(stop.signum > 0)], device=device)
         dist.all_reduce(peaks, op=dist.ReduceOp.MAX)  # the fullest rank's memory; whether any rank must stop
         # A global norm and loss: a NaN or an fp16 overflow on any rank skips the step on all of them.
         grad_norm, skipped = clip_and_step(policy, optimizer, scaler, cfg.max_grad_norm, loss_sum=sums[0])
-        bad_steps = bad_steps + 1 if skipped else 0
         dt = time.perf_counter() - step_t0
         m = _means(sums[:-2], cfg.batch_size, cfg.objective)
+        # A finite loss whose fp16 gradients overflow is the scaler searching for its scale, not a broken run,
+        # until the scale is below 1, where halving it is no longer the cure.
+        searching = scaler is not None and math.isfinite(m["loss"]) and scaler.get_scale() >= 1
+        bad_steps = 0 if not skipped else bad_steps + (not searching)
         tokens = sums[-2].item()
         m.update({"grad_norm": grad_norm.item(), "lr": optimizer.param_groups[0]["lr"],
                   "tokens_per_s": tokens / dt, "pairs_per_s": cfg.batch_size / dt,
@@ -515,13 +533,13 @@ def train(cfg: Config, rank: int, world: int, device) -> int:
 
     # -- final evaluation and export
     run_eval(total_steps)
-    rss = host_memory_by_rank_gb()
-    state = gather_full_state_dict(policy)
+    rss = host_memory_by_rank_gb(device)
+    state = gather_full_state_dict(policy, getattr(torch, cfg.export_dtype))
     if rank == 0:
         say("peak host memory during training, GB by rank: " + " ".join(f"{x:.2f}" for x in rss))
-        final, dtype = os.path.join(cfg.out_dir, "final"), getattr(torch, cfg.export_dtype)
-        policy.save_pretrained(final, state_dict={k: v.to(dtype) for k, v in state.items()})
-        policy.config.dtype = dtype  # save_pretrained records the float32 masters' dtype; record the export's
+        final = os.path.join(cfg.out_dir, "final")
+        policy.save_pretrained(final, state_dict=state)
+        policy.config.dtype = getattr(torch, cfg.export_dtype)  # save_pretrained records the masters' dtype
         policy.config.save_pretrained(final)
         tokenizer.save_pretrained(final)
         with open(os.path.join(final, "train_config.json"), "w") as f:

@@ -1,0 +1,18 @@
+# TRL's DPOTrainer on the same model, data, batch and steps; gradient checkpointing off, CPU; saves the model.
+import sys
+from datasets import load_dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import DPOConfig, DPOTrainer
+
+# usage: python bench/trl_dpo.py MODEL DATA STEPS BATCH fp32|bf16 OUT_DIR (in a venv with trl==1.16.0 and datasets)
+model_dir, data_path, steps, batch, precision, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
+tok = AutoTokenizer.from_pretrained(model_dir)
+model = AutoModelForCausalLM.from_pretrained(model_dir)
+config = DPOConfig(output_dir=out + "-trainer", per_device_train_batch_size=batch, max_steps=steps,
+                   learning_rate=1e-5, beta=0.1, max_length=512, gradient_checkpointing=False, use_cpu=True,
+                   bf16=precision == "bf16", logging_steps=1, save_strategy="no", report_to="none",
+                   dataloader_num_workers=0, seed=0)
+trainer = DPOTrainer(model=model, args=config, train_dataset=load_dataset("json", data_files=data_path)["train"],
+                     processing_class=tok)
+trainer.train()
+trainer.save_model(out)  # like the others, end with the trained model on disk
