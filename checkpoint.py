@@ -107,7 +107,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizer) -> bool:
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
     device = _device_of(model)
-    if rng["cuda"] is not None and device.type == "cuda":
+    if isinstance(rng["cuda"], torch.Tensor) and device.type == "cuda":  # older checkpoints: a list
         torch.cuda.set_rng_state(rng["cuda"], device)
     return True
 

@@ -69,9 +69,9 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800) -> tuple[int, 
 
 def _local_gpu() -> int:
     """This process's GPU: its local rank among the visible ones, or the only one when a launcher (SLURM,
-    Kubernetes) shows each process one GPU of its own."""
+    Kubernetes) shows each process one GPU of its own through CUDA_VISIBLE_DEVICES."""
     local_rank, visible = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
-    if visible == 1:
+    if visible == 1 and os.environ.get("CUDA_VISIBLE_DEVICES"):
         return 0
     if local_rank >= visible:
         raise ValueError(f"LOCAL_RANK {local_rank} but this process sees only {visible} GPUs: start at most "

@@ -40,6 +40,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ON_CPU = ("--device", "cpu")
 GPUS = torch.cuda.device_count()
 needs_cuda = pytest.mark.skipif(not GPUS, reason="needs a CUDA GPU")
+needs_cuda_bf16 = pytest.mark.skipif(not GPUS or not torch.cuda.is_bf16_supported(including_emulation=False),
+                                     reason="needs a CUDA GPU with native bfloat16")
 CACHE = tempfile.mkdtemp(prefix="dpo-test-cache-")  # tokenized data, shared by the tests' runs
 CPU = torch.device("cpu")
 
@@ -720,14 +722,18 @@ def test_auto_skips_gpus_that_only_emulate_bf16(monkeypatch):
 
 
 def test_each_process_takes_its_own_gpu_however_many_it_sees(monkeypatch):
-    for visible, local_rank, expected in ((8, 3, 3), (1, 3, 0), (4, 0, 0)):  # (1, 3): a launcher showed it one GPU
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for visible, local_rank, shown, expected in ((8, 3, "", 3), (4, 0, "", 0), (1, 0, "", 0), (1, 3, "5", 0)):
         monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
         monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", shown)  # "5": a launcher showed this process GPU 5 alone
         assert fsdp_setup._local_gpu() == expected
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setenv("LOCAL_RANK", "5")
-    with pytest.raises(ValueError, match="LOCAL_RANK 5 but this process sees only 2 GPUs"):
-        fsdp_setup._local_gpu()
+    for visible, local_rank in ((2, 5), (1, 1)):  # (1, 1): two processes on a one-GPU machine
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+        monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+        with pytest.raises(ValueError, match=f"LOCAL_RANK {local_rank} but this process sees only {visible} GPUs"):
+            fsdp_setup._local_gpu()
     if not GPUS:
         with pytest.raises(ValueError, match="--device cuda: no CUDA device is visible"):
             fsdp_setup.init_distributed("cuda")
@@ -1187,7 +1193,7 @@ def _hf_export_names():
         return set(load_safetensors(folder))
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda_bf16)])
 def test_bf16_training_matches_the_fp32_cpu_run_within_bf16_tolerance(six_steps, tmp_path, device):
     oracle, bf16 = six_steps[0], run(tmp_path, "bf16", *SIX, "--precision", "bf16", device=device)
     # Tolerances are 10x the differences seen on CPU (bf16 rounds to 8 bits of mantissa; FSDP2 keeps float32
@@ -1207,7 +1213,7 @@ def test_bf16_training_matches_the_fp32_cpu_run_within_bf16_tolerance(six_steps,
 
 @needs_cuda
 def test_torchrun_with_nccl_matches_the_one_rank_cpu_run(six_steps, tmp_path):
-    proc = torchrun(min(GPUS, 2), str(tmp_path / "gpu"), *SIX, device="cuda")
+    proc = torchrun(min(GPUS, 2), str(tmp_path / "gpu"), *SIX, "--precision", "fp32", device="cuda")
     assert proc.returncode == 0 and "nccl" in proc.stderr, proc.stderr[-3000:]
     # float32 on both, but other kernels sum in other orders: metrics within 1e-4, weights within ten times
     # the rounding allowance of two CPU runs.

@@ -338,6 +338,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def train(cfg: Config, rank: int, world: int, device) -> int:
     """Everything that needs the process group. Returns the exit code."""
+    if device.type == "cuda":  # peak_mem_gb is this run's, also after an earlier run in this process
+        torch.cuda.reset_peak_memory_stats(device)
     # -- precision, data (read and tokenized by rank 0 only, cached, memory-mapped by all)
     try:
         accum = cfg.validate(world)
