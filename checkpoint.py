@@ -15,10 +15,12 @@ the world size) and rng-rank{r}.pt per rank (torch CPU, the rank's own GPU and P
 
 import json
 import os
+import pathlib
 import random
 import re
 import shutil
 import signal
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -28,6 +30,21 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.optim import Optimizer
 
 _STATE = "trainer_state.json"
+
+
+@dataclass
+class CheckpointConfig:
+    save_every: int = 0
+    """Save a sharded checkpoint to {out_dir}/checkpoints/step-N every N steps; 0 disables."""
+    keep_last: int = 0
+    """Keep only the newest K checkpoints; 0 keeps all."""
+    resume: str | None = None
+    """Resume from a checkpoint folder, or "latest" for {out_dir}/checkpoints/latest."""
+
+    def __post_init__(self):
+        for name in ("save_every", "keep_last"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
 
 
 def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: Optimizer, extra: dict,
@@ -56,9 +73,9 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: Optimizer
             json.dump({**extra, "world_size": world}, f, indent=2)
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
-        with open(os.path.join(root, "latest.tmp"), "w") as f:
-            f.write(os.path.basename(path))
-        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+        latest = os.path.join(root, "latest")
+        pathlib.Path(latest + ".tmp").write_text(os.path.basename(path))
+        os.replace(latest + ".tmp", latest)  # a reader never sees half a pointer
         if keep_last:
             for old in _checkpoints(root)[:-keep_last]:
                 shutil.rmtree(os.path.join(root, old))

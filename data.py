@@ -1,15 +1,15 @@
-"""Preference data: read pairs in the common shapes, tokenize them as the model sees them, batch them.
+"""Preference data: read pairs in the common shapes and tokenize them as the model sees them, once per run.
 
 Copyable on its own: imports only the standard library, torch and transformers.
 
-    train, evals, summary = prepare_data(DataConfig(data=("prefs.jsonl",), eval_fraction=0.05), tokenizer, "cache")
-    for step_indices in build_batches(len(train), batch_size=64, rank=r, world_size=w, seed=0, epoch=0,
-                                      lengths=pair_lengths(train)):
-        batch = collate_pairs([train[i] for i in step_indices[:8]], pad_id)   # (2B, T) tensors
+    path = tokenize_to_cache(DataConfig(data=("prefs.jsonl",), eval_fraction=0.05, cache_dir="cache"), tokenizer)
+    train, evals, summary = load_tokens(path)   # train[0]: {"prompt", "chosen", "rejected"} id lists
+    rows = read_rows("prefs.jsonl")             # or just the checked rows, any of the shapes below
 
-Inspect what will be trained: python data.py prefs.jsonl --model Qwen/Qwen2.5-0.5B-Instruct --show 3
+batches.py turns tokens into each step's (2B, T) tensors. Inspect what will be trained:
+    python data.py prefs.jsonl --model Qwen/Qwen2.5-0.5B-Instruct --show 3
 
-Rows (JSON Lines or a JSON array per file; one shape per file):
+Rows (JSON Lines or a JSON array per file, UTF-8; one shape per file):
     standard        {"prompt": str, "chosen": str, "rejected": str}
     conversational  {"prompt": [messages], "chosen": [messages], "rejected": [messages]}, messages being
                     {"role", "content"}; rendered with the tokenizer's chat template
@@ -28,18 +28,18 @@ import hashlib
 import json
 import os
 import random
+import re
 import sys
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 import transformers
 
-IGNORE_INDEX = -100
-_CACHE_VERSION = 2  # bump when tokenization changes, so old caches are not reused
+_CACHE_VERSION = 3  # bump when tokenization changes, so old caches are not reused
 _HH_MARKER = "\n\nAssistant:"
 _PERCENTILES = (50, 90, 99, 100)
+_SPACE = re.compile(r"\s*")
 
 
 @dataclass
@@ -60,6 +60,9 @@ class DataConfig:
     """Which part of a too-long prompt is kept: its end (nearest the response) or its start. A leading BOS stays."""
     group_by_length: bool = True
     """Batch pairs of similar length together (sorted within mega-batches, batch order shuffled): less padding."""
+    cache_dir: str = "runs/cache"
+    """Where tokenized data (tokens-<hash>.pt) and --ref precompute log-probs (ref-<hash>.safetensors) are kept,
+    reused by any run with the same inputs and settings. Must be shared by all ranks, like --out-dir."""
 
     def __post_init__(self):
         self.data = tuple(s for spec in self.data for s in spec.split(",") if s)
@@ -90,10 +93,7 @@ def read_rows(spec: str) -> list[dict]:
     if spec.startswith("hub:"):
         raw = _read_hub(spec)
     else:
-        if not os.path.isfile(spec):
-            raise DataError(f"{spec}: no such file (give a .jsonl/.json path, hub:NAME[:split] or demo)")
-        with open(spec, encoding="utf-8") as f:
-            text = f.read()
+        text = _read_text(spec)
         start = len(text) - len(text.lstrip())
         if start == len(text):
             raise DataError(f"{spec}:1: empty file, expected preference rows")
@@ -111,6 +111,19 @@ def read_rows(spec: str) -> list[dict]:
     return rows
 
 
+def _read_text(path: str) -> str:
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such file (give a .jsonl/.json path, hub:NAME[:split] or demo)")
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8-sig")  # a leading byte-order mark is dropped
+    except UnicodeDecodeError as e:
+        line, column = data.count(b"\n", 0, e.start) + 1, e.start - data.rfind(b"\n", 0, e.start)
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at column {column}); "
+                        f"save the file as UTF-8") from None
+
+
 def _read_json_lines(path: str, text: str) -> list[tuple[str, object]]:
     rows = []
     for line, raw in enumerate(text.splitlines(), start=1):
@@ -124,36 +137,33 @@ def _read_json_lines(path: str, text: str) -> list[tuple[str, object]]:
 
 def _read_json_array(path: str, text: str, start: int) -> list[tuple[str, object]]:
     # Decode element by element so every row keeps the line it starts on, for error messages.
-    decoder, rows, i = json.JSONDecoder(), [], start + 1
-
-    def skip_ws(j):
-        while j < len(text) and text[j].isspace():
-            j += 1
-        return j
-
-    def fail(j, what):
-        raise DataError(f"{path}:{text.count(chr(10), 0, j) + 1}: invalid JSON ({what})")
-
-    i = skip_ws(i)
-    if i < len(text) and text[i] == "]":
-        return rows
-    while True:
+    decoder, rows, skip = json.JSONDecoder(), [], lambda j: _SPACE.match(text, j).end()
+    line = lambda j: text.count("\n", 0, j) + 1
+    i = skip(start + 1)
+    while not (text.startswith("]", i) and not rows):  # "[]" has no rows
         try:
             row, end = decoder.raw_decode(text, i)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-        rows.append((f"{path}:{text.count(chr(10), 0, i) + 1}", row))
-        i = skip_ws(end)
-        if i >= len(text):
-            fail(i, "array is not closed with ']'")
-        if text[i] == "]":
+        rows.append((f"{path}:{line(i)}", row))
+        i = skip(end)
+        if text.startswith("]", i):
             break
-        if text[i] != ",":
-            fail(i, f"expected ',' or ']' after an element, found {text[i]!r}")
-        i = skip_ws(i + 1)
-    if skip_ws(i + 1) < len(text):
-        fail(skip_ws(i + 1), "extra data after the closing ']'")
+        if not text.startswith(",", i):
+            found = repr(text[i]) if i < len(text) else "the end of the file"
+            raise DataError(f"{path}:{line(i)}: invalid JSON (expected ',' or ']' after an element, found {found})")
+        i = skip(i + 1)
+    if skip(i + 1) < len(text):
+        raise DataError(f"{path}:{line(skip(i + 1))}: invalid JSON (extra data after the closing ']')")
     return rows
+
+
+def write_jsonl(path: str, rows: list[dict]) -> str:
+    """Write rows as JSON Lines, atomically (a reader never sees half a file); returns the path."""
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    return write_atomic(path, write)
 
 
 def _read_hub(spec: str) -> list[tuple[str, object]]:
@@ -272,74 +282,89 @@ class PairTokens:
     def __len__(self) -> int:
         return len(self.lengths)
 
+    def mean_chosen(self, idx: list[int] | None = None) -> float:
+        """Mean chosen-response tokens per pair over pairs `idx` (default: all)."""
+        return self.lengths[idx if idx is not None else slice(None), 1].double().mean().item()
+
     def __getitem__(self, i: int) -> dict[str, list[int]]:
         p, c, r = self.lengths[i].tolist()
         row = self.ids[self._starts[i]:self._starts[i + 1]].tolist()
         return {"prompt": row[:p], "chosen": row[p:p + c], "rejected": row[p + c:]}
 
 
-def tokenize_pairs(rows: list[dict], tokenizer, config: DataConfig) -> tuple[PairTokens, dict]:
-    """(tokens, summary) for read_rows rows: pairs whose response is empty (or identical) are dropped; prompts
-    longer than max_prompt_length are cut when the pair exceeds max_length, then responses only if still
-    needed (a cut response loses its EOS: the text did not end there). The summary counts pairs, drops and
-    truncations, with token-length percentiles before truncation."""
+def tokenize_pairs(rows: list[dict], tokenizer, config: DataConfig, progress=None) -> tuple[PairTokens, dict]:
+    """(tokens, summary) for read_rows rows. Prompts longer than max_prompt_length are cut when the pair exceeds
+    max_length, then responses only if still needed (a cut response loses its EOS: the text did not end there).
+    Pairs with an empty response, or with responses identical once truncated, are dropped: they carry no
+    preference. The summary counts pairs, drops and truncations, with token-length percentiles before
+    truncation. progress(message), if given, hears how a large set goes."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("the tokenizer has no EOS token; responses must end with one")
     prefix = _leading_special_ids(tokenizer)
-    counts = dict.fromkeys(("dropped_empty", "dropped_identical", "truncated", "truncated_prompts",
-                            "truncated_responses", "retokenized"), 0)
-    done, lengths, raw = [], [], {"prompt": [], "response": [], "pair": []}
-    chunk = 2048
+    counts = dict.fromkeys(("dropped_empty", "dropped_identical", "identical_after_truncation", "truncated",
+                            "truncated_prompts", "truncated_responses", "retokenized"), 0)
+    done, lengths, raw, chunk = [], [], {"prompt": [], "response": [], "pair": []}, 2048
     for s in range(0, len(rows), chunk):
         flat = []  # this chunk's ids, packed into int32 below: Python ints cost 8+ bytes each
-        if len(rows) > 10 * chunk and (s // chunk) % 10 == 0:
-            _say(f"tokenizing: {s}/{len(rows)} pairs")
+        if progress and len(rows) > 10 * chunk and (s // chunk) % 10 == 0:
+            progress(f"tokenizing: {s}/{len(rows)} pairs")
         texts = [_render(row, tokenizer) for row in rows[s:s + chunk]]
         prompts = tokenizer([p for p, _, _ in texts], add_special_tokens=False)["input_ids"]
         fulls = tokenizer([p + x for p, c, r in texts for x in (c, r)], add_special_tokens=False)["input_ids"]
         for j, (p, c, r) in enumerate(texts):
-            chat = isinstance(rows[s + j]["chosen"], list)  # a chat template writes its own BOS
-            prompt = prompts[j] if chat else prefix + prompts[j]
+            row = rows[s + j]
+            prompt = prompts[j] if isinstance(row["chosen"], list) else prefix + prompts[j]  # templates add BOS
             if not prompt:
-                raise DataError(f"{rows[s + j]['where']}: field 'prompt' is empty and the tokenizer adds no BOS, "
-                                f"so the response's first token would have nothing to follow")
-            responses = []
-            for text, full in ((c, fulls[2 * j]), (r, fulls[2 * j + 1])):
-                if full[:len(prompts[j])] == prompts[j]:
-                    ids = full[len(prompts[j]):]
-                else:  # a token straddles the boundary: keep the prompt's own ids, tokenize the response alone
-                    ids, counts["retokenized"] = _ids(tokenizer, text), counts["retokenized"] + 1
-                responses.append(_end_with_eos(ids, eos, tokenizer))
-            chosen, rejected = responses
-            if len(chosen) == 1 or len(rejected) == 1:  # nothing but EOS
-                counts["dropped_empty"] += 1
-                continue
-            if chosen == rejected:
-                counts["dropped_identical"] += 1
-                continue
-            longest = max(len(chosen), len(rejected))
-            raw["prompt"].append(len(prompt))
-            raw["response"].append(longest)
-            raw["pair"].append(len(prompt) + longest)
-            if len(prompt) + longest > config.max_length:
-                counts["truncated"] += 1
-                if len(prompt) > config.prompt_limit:
-                    counts["truncated_prompts"] += 1
-                    prompt = _cut_prompt(prompt, prefix, config.prompt_limit, config.truncation)
-                room = config.max_length - len(prompt)
-                if longest > room:
-                    counts["truncated_responses"] += 1
-                    chosen, rejected = chosen[:room], rejected[:room]
-            flat += prompt + chosen + rejected
-            lengths.append((len(prompt), len(chosen), len(rejected)))
+                raise DataError(f"{row['where']}: field 'prompt' is empty and the tokenizer adds no BOS, so the "
+                                f"response's first token would have nothing to follow")
+            chosen, rejected = (_response_ids(prompts[j], text, full, tokenizer, counts)
+                                for text, full in ((c, fulls[2 * j]), (r, fulls[2 * j + 1])))
+            pair = _truncate(prompt, chosen, rejected, prefix, config, counts, raw)
+            if pair:
+                flat += pair[0] + pair[1] + pair[2]
+                lengths.append(tuple(map(len, pair)))
         done.append(torch.tensor(flat, dtype=torch.int32))
     ids = torch.cat(done) if done else torch.zeros(0, dtype=torch.int32)
     tokens = PairTokens(ids, torch.tensor(lengths, dtype=torch.long).view(-1, 3))
-    dropped = counts["dropped_empty"] + counts["dropped_identical"]
-    summary = {"pairs": len(tokens), "dropped": dropped, **counts,
+    summary = {"pairs": len(tokens), "dropped": counts["dropped_empty"] + counts["dropped_identical"], **counts,
                "tokens_before_truncation": {k: _percentiles(v) for k, v in raw.items()}}
     return tokens, summary
+
+
+def _response_ids(prompt: list[int], text: str, full: list[int], tokenizer, counts: dict) -> list[int]:
+    """A response's ids: the rest of tokenize(prompt + response), or the response alone when a token
+    straddles the boundary (so the prompt's own ids never change); ending with EOS exactly once."""
+    if full[:len(prompt)] == prompt:
+        ids = full[len(prompt):]
+    else:
+        ids, counts["retokenized"] = _ids(tokenizer, text), counts["retokenized"] + 1
+    return _end_with_eos(ids, tokenizer.eos_token_id, tokenizer)
+
+
+def _truncate(prompt: list[int], chosen: list[int], rejected: list[int], prefix: list[int], config: DataConfig,
+              counts: dict, raw: dict) -> tuple[list[int], list[int], list[int]] | None:
+    """The pair cut to config's limits, or None when it carries no preference (counted)."""
+    if len(chosen) == 1 or len(rejected) == 1:  # nothing but EOS
+        counts["dropped_empty"] += 1
+        return None
+    longest, identical = max(len(chosen), len(rejected)), chosen == rejected
+    for key, n in (("prompt", len(prompt)), ("response", longest), ("pair", len(prompt) + longest)):
+        raw[key].append(n)
+    cut = []
+    if len(prompt) + longest > config.max_length:
+        if len(prompt) > config.prompt_limit:
+            prompt, cut = _cut_prompt(prompt, prefix, config.prompt_limit, config.truncation), ["truncated_prompts"]
+        room = config.max_length - len(prompt)
+        if longest > room:
+            chosen, rejected, cut = chosen[:room], rejected[:room], cut + ["truncated_responses"]
+    if chosen == rejected:  # checked after truncation: responses that differ only past the cut teach nothing
+        counts["dropped_identical"] += 1
+        counts["identical_after_truncation"] += not identical
+        return None
+    for key in ["truncated"] * bool(cut) + cut:
+        counts[key] += 1
+    return prompt, chosen, rejected
 
 
 def _end_with_eos(ids: list[int], eos: int, tokenizer) -> list[int]:
@@ -376,55 +401,53 @@ def _percentiles(values: list[int]) -> dict:
     return {f"p{q}": ordered[min(len(ordered) - 1, len(ordered) * q // 100)] for q in _PERCENTILES}
 
 
-# ---------------------------------------------------------------------------------------------- one run
-def prepare_data(config: DataConfig, tokenizer, cache_dir: str) -> tuple[PairTokens, PairTokens, dict]:
-    """(train, eval, summary) for a run: a collective when torch.distributed is initialised.
-
-    Rank 0 alone reads and tokenizes, into {cache_dir}/tokens-<hash>.pt keyed by the inputs' content, the
-    settings and the tokenizer; every rank then memory-maps that file, so N ranks on a node share one copy,
-    and later runs with the same inputs skip tokenizing. A DataError on rank 0 is raised on every rank."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    message = [None, None, False]  # [path, error, whether it is bad data]
-    if rank == 0:
-        try:
-            message[0] = _build_cache(config, tokenizer, cache_dir)
-        except Exception as e:  # the other ranks must hear of any failure, or they wait in the broadcast forever
-            message[1:], failure = [str(e), isinstance(e, DataError)], e
-    if dist.is_initialized():
-        dist.broadcast_object_list(message, src=0)
-    if message[1] is not None:
-        if rank == 0:
-            raise failure
-        raise DataError(message[1]) if message[2] else RuntimeError(f"rank 0 failed preparing data: {message[1]}")
-    saved = torch.load(message[0], mmap=True, weights_only=True)
-    summary = json.loads(saved["summary"])
-    return (PairTokens(saved["train_ids"], saved["train_lengths"]),
-            PairTokens(saved["eval_ids"], saved["eval_lengths"]), summary)
-
-
-def _build_cache(config: DataConfig, tokenizer, cache_dir: str) -> str:
-    settings = {k: v for k, v in asdict(config).items() if k != "group_by_length"}
+# ---------------------------------------------------------------------------------------------- the cache
+def tokenize_to_cache(config: DataConfig, tokenizer, progress=None) -> str:
+    """Read and tokenize config's sources into {cache_dir}/tokens-<hash>.pt, unless a file of that key is there;
+    return its path. The key covers the sources' content, the settings and the tokenizer. Under
+    torch.distributed one rank runs this and every rank calls load_tokens (see fsdp_setup.on_rank0)."""
+    settings = {k: v for k, v in asdict(config).items() if k not in ("group_by_length", "cache_dir")}
     key = {"version": _CACHE_VERSION, "settings": settings, "tokenizer": _fingerprint_tokenizer(tokenizer),
            "train": [_fingerprint(s) for s in config.data], "eval": [_fingerprint(s) for s in config.eval_data]}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    path = os.path.join(cache_dir, f"tokens-{digest}.pt")
+    digest = key_digest(key)[:20]
+    path = os.path.join(config.cache_dir, f"tokens-{digest}.pt")
     if os.path.exists(path):
         return path
     rows = [row for spec in config.data for row in read_rows(spec)]
     eval_rows = [row for spec in config.eval_data for row in read_rows(spec)]
     if config.eval_fraction:
         rows, eval_rows = split_eval(rows, config.eval_fraction)
-    train, train_summary = tokenize_pairs(rows, tokenizer, config)
-    evals, eval_summary = tokenize_pairs(eval_rows, tokenizer, config)
+    (train, train_summary), (evals, eval_summary) = (tokenize_pairs(r, tokenizer, config, progress)
+                                                     for r in (rows, eval_rows))
     if not len(train):
         raise DataError(f"{','.join(config.data)}: every pair was dropped ({train_summary['dropped']} with an "
                         f"empty or identical response)")
-    summary = {"fingerprint": digest, "train_sha256": hashlib.sha256(json.dumps(key["train"]).encode()).hexdigest(),
-               "train": train_summary, "eval": eval_summary}
-    os.makedirs(cache_dir, exist_ok=True)
-    torch.save({"train_ids": train.ids, "train_lengths": train.lengths, "eval_ids": evals.ids,
-                "eval_lengths": evals.lengths, "summary": json.dumps(summary)}, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    summary = {"fingerprint": digest, "train_sha256": key_digest(key["train"]), "train": train_summary,
+               "eval": eval_summary}
+    return write_atomic(path, lambda tmp: torch.save({"train_ids": train.ids, "train_lengths": train.lengths,
+                                                      "eval_ids": evals.ids, "eval_lengths": evals.lengths,
+                                                      "summary": json.dumps(summary)}, tmp))
+
+
+def load_tokens(path: str) -> tuple[PairTokens, PairTokens, dict]:
+    """(train, eval, summary) from a tokenize_to_cache file, memory-mapped: ranks on a node share one copy."""
+    saved = torch.load(path, mmap=True, weights_only=True)
+    return (PairTokens(saved["train_ids"], saved["train_lengths"]),
+            PairTokens(saved["eval_ids"], saved["eval_lengths"]), json.loads(saved["summary"]))
+
+
+def key_digest(key) -> str:
+    """sha256 hex of a JSON-able key: what names a cache file after everything its content depends on."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def write_atomic(path: str, write) -> str:
+    """write(tmp) to a temporary name beside `path` (its folder made if need be), then rename: a reader never
+    sees half a file."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    write(tmp)
+    os.replace(tmp, path)
     return path
 
 
@@ -443,13 +466,8 @@ def _fingerprint(spec: str) -> str:
 
 
 def _fingerprint_tokenizer(tokenizer) -> str:
-    vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
-    return hashlib.sha256(f"{type(tokenizer).__name__}|{vocab}|{tokenizer.chat_template}|{tokenizer.eos_token_id}|"
-                          f"{_leading_special_ids(tokenizer)}".encode()).hexdigest()
-
-
-def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    return key_digest([type(tokenizer).__name__, sorted(tokenizer.get_vocab().items()), tokenizer.chat_template,
+                       tokenizer.eos_token_id, _leading_special_ids(tokenizer)])
 
 
 def load_tokenizer(name: str):
@@ -462,82 +480,6 @@ def load_tokenizer(name: str):
                                "{% if m.role == 'assistant' %}{{ '</s>' }}{% endif %}{{ '\\n' }}{% endfor %}"
                                "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
     return tokenizer
-
-
-# ---------------------------------------------------------------------------------------------- batches
-def collate_pairs(pairs: list[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Stack B pairs as 2B rows, all chosen then all rejected, with every response starting at one column.
-
-    Prompts are left-padded to the longest prompt P, responses right-padded to the longest response, so
-    the rows are (2B, T) with T = P + longest response, and only logits from column P - 1 on are ever
-    scored: a model can skip the output layer for the prompt columns (Hugging Face's `logits_to_keep`).
-    Returns input_ids, attention_mask, position_ids (counting real tokens only, so left padding does not
-    shift positions) and labels, each (2B, T) int64, plus `response_start` = P (an int). labels are
-    IGNORE_INDEX on prompt and padding positions, so only response tokens (and their EOS) are scored.
-    """
-    rows = [(pair["prompt"], pair[key]) for key in ("chosen", "rejected") for pair in pairs]
-    start = max(len(prompt) for prompt, _ in rows)
-    width = start + max(len(response) for _, response in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (prompt, response) in enumerate(rows):
-        first, end = start - len(prompt), start + len(response)
-        input_ids[i, first:end] = torch.tensor(prompt + response)
-        labels[i, start:end] = torch.tensor(response)
-        attention_mask[i, first:end] = 1
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-            "labels": labels, "response_start": start}
-
-
-def pair_lengths(pairs: PairTokens) -> list[tuple[int, int]]:
-    """(prompt, longer response) token counts per pair: what collate_pairs pads, separately."""
-    return list(zip(pairs.lengths[:, 0].tolist(), pairs.lengths[:, 1:].amax(1).tolist()))
-
-
-def build_batches(n_pairs: int, batch_size: int, rank: int, world_size: int, seed: int, epoch: int,
-                  lengths: list[tuple[int, int]] | None = None) -> list[list[int]]:
-    """This rank's pair indices for each optimizer step of one epoch.
-
-    The epoch's order is a shuffle seeded by (seed, epoch), identical on every rank. With `lengths`
-    (pair_lengths), the order is grouped by length: each mega-batch of _MEGA global batches is sorted by
-    prompt length, cut into strips of _STRIP batches, and each strip sorted by response length; cut into
-    global batches, whose order is shuffled again. A batch then holds pairs with similar prompts and similar
-    responses (collate_pairs pads the two separately), while batches still come in random order. Each global
-    batch of batch_size pairs is split into world_size contiguous, disjoint slices; rank r takes slice r. A
-    last partial batch is dropped, so every step sees exactly batch_size pairs.
-    """
-    if batch_size % world_size:
-        raise ValueError(f"batch size {batch_size} is not divisible by {world_size} ranks")
-    generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
-    order = torch.randperm(n_pairs, generator=generator).tolist()
-    if lengths is not None:
-        mega, strip, grouped = batch_size * _MEGA, batch_size * _STRIP, []
-        for s in range(0, n_pairs, mega):
-            by_prompt = sorted(order[s:s + mega], key=lambda i: lengths[i][0])
-            for t in range(0, len(by_prompt), strip):
-                grouped += sorted(by_prompt[t:t + strip], key=lambda i: lengths[i][1])
-        order = grouped
-    batches = [order[s:s + batch_size] for s in range(0, n_pairs - batch_size + 1, batch_size)]
-    if lengths is not None:
-        batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
-    per_rank = batch_size // world_size
-    return [batch[rank * per_rank:(rank + 1) * per_rank] for batch in batches]
-
-
-def build_eval_batches(n_pairs: int, micro_batch_size: int, rank: int, world_size: int) -> list[list[int]]:
-    """This rank's pair indices per forward for a pass over every pair exactly once (evaluation, reference
-    precompute): disjoint strided slices. Every rank gets the same number of batches; a rank that runs out
-    gets empty ones, for which the caller runs a zero-weight dummy so collectives stay in step."""
-    mine = list(range(rank, n_pairs, world_size))
-    n_batches = -(-(-(-n_pairs // world_size)) // micro_batch_size)  # ceil(ceil(n / world) / micro)
-    return [mine[b * micro_batch_size:(b + 1) * micro_batch_size] for b in range(n_batches)]
-
-
-# 256 batches per mega-batch in 16 strips: 0.92 of tokens are real on pairs with prompts of 10-400 tokens and
-# responses of 20-400 (chosen and rejected within 25% of each other), against 0.53 without grouping.
-_MEGA, _STRIP = 256, 16
 
 
 # ---------------------------------------------------------------------------------------------- inspector
@@ -560,7 +502,7 @@ def inspect(argv: list[str] | None = None) -> None:
         rows = [row for spec in config.data for row in read_rows(spec)]
         tokens, summary = tokenize_pairs(rows, tokenizer, config)
     except (ValueError, OSError) as e:
-        _say(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     for i in range(min(args.show, len(tokens))):
         print(json.dumps({k: tokenizer.decode(v) for k, v in tokens[i].items()}, ensure_ascii=False))

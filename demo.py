@@ -2,15 +2,13 @@
 
 Copyable on its own: imports only the standard library.
 
-    train, held_out, sft = write_demo("runs/cache")    # deterministic JSON Lines files, same on every machine
+    pairs = demo_pairs("train")    # 2048 {"prompt", "chosen", "rejected"} pairs, the same on every machine
     score_completion(" The red kettle is great and works well. 5/5")   # +1: the chosen style
 
 Chosen answers praise the product and end "5/5"; rejected answers pan it and end "1/5". The held-out split
 reviews products never seen in training, so a policy must learn the style, not memorise items.
 """
 
-import json
-import os
 import random
 import re
 
@@ -41,21 +39,6 @@ def demo_pairs(split: str) -> list[dict[str, str]]:
             good, bad = bad, good
         pairs.append({"prompt": f"Review the {item}:", "chosen": good, "rejected": bad})
     return pairs
-
-
-def write_demo(folder: str) -> tuple[str, str, str]:
-    """Write the demo's train, eval and sft splits as JSON Lines under `folder` (once; atomically); return the
-    paths. Real files, so the demo takes the same data path as user data and `python data.py` can show them."""
-    paths = []
-    for split in ("train", "eval", "sft"):
-        path = os.path.join(folder, f"demo-{split}.jsonl")
-        if not os.path.exists(path):
-            os.makedirs(folder, exist_ok=True)
-            with open(f"{path}.{os.getpid()}.tmp", "w") as f:
-                f.writelines(json.dumps(pair) + "\n" for pair in demo_pairs(split))
-            os.replace(f"{path}.{os.getpid()}.tmp", path)
-        paths.append(path)
-    return paths[0], paths[1], paths[2]
 
 
 def score_completion(text: str) -> int:

@@ -8,9 +8,15 @@ Copyable on its own: imports only the standard library and torch.
     apply_ac(model)                                  # optional; always before apply_fsdp
     apply_fsdp(model, mp_policy, device)             # each transformer block, then the root
     load_from_rank0(model, full_model_or_None, device)   # only rank 0 ever holds the full weights
+    with inference(model): model(**batch)           # eval, no grad; then train mode back and resharded
+    path = on_rank0(lambda: build_cache())           # rank 0 works, every rank gets its result (or error)
     state = gather_full_state_dict(model)            # full weights on rank 0 (ties kept), {} elsewhere
+    save_pretrained(model, "final", torch.bfloat16, tokenizer)   # a Hugging Face folder, written by rank 0
 """
 
+import json
+
+import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -65,6 +71,26 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800) -> tuple[int, 
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 device_id=device if cuda else None)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def on_rank0(fn):
+    """fn() on rank 0 alone; its result, or its failure, then reaches every rank (a collective when
+    torch.distributed is initialised). A ValueError stays one on every rank, so each reports bad input the
+    same way; any other failure is a RuntimeError on the other ranks. No rank waits for a failed rank 0."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    message = [None, None, False]  # [result, error, whether it is a ValueError]
+    if rank == 0:
+        try:
+            message[0] = fn()
+        except Exception as e:  # the other ranks must hear of any failure, or they wait in the broadcast forever
+            message[1:], failure = [str(e), isinstance(e, ValueError)], e
+    if dist.is_initialized():
+        dist.broadcast_object_list(message, src=0)
+    if message[1] is not None:
+        if rank == 0:
+            raise failure
+        raise ValueError(message[1]) if message[2] else RuntimeError(f"rank 0 failed: {message[1]}")
+    return message[0]
 
 
 def _local_gpu() -> int:
@@ -128,6 +154,21 @@ def apply_fsdp(model: nn.Module, mp_policy: MixedPrecisionPolicy, device: torch.
     return model
 
 
+@contextlib.contextmanager
+def inference(model: nn.Module):
+    """Eval mode and no autograd for forward-only passes (evaluation, sampling, reference log-probs); then the
+    previous mode back and the parameters resharded: FSDP2 keeps the root gathered after a forward, for the
+    backward that usually follows, and the optimizer and checkpoints must be handed the shards again."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield model
+    finally:
+        model.train(was_training)
+        model.reshard()
+
+
 def load_from_rank0(model: nn.Module, full_model: nn.Module | None, device: torch.device) -> None:
     """Materialise a sharded (meta-device) model on `device` and fill it from rank 0's full model.
 
@@ -159,3 +200,19 @@ def gather_full_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -
         cast = {i: v.to(dtype) for i, v in unique.items()}
         state = {k: cast.get(id(v), v) for k, v in state.items()}
     return state
+
+
+def save_pretrained(model: nn.Module, folder: str, dtype: torch.dtype, tokenizer=None, extra: dict | None = None) -> None:
+    """A sharded Hugging Face model as a save_pretrained folder: weights gathered in `dtype` (the same tensor
+    names as the model's own save_pretrained), its config recording that dtype, the tokenizer, and each
+    {file name: JSON-able} of `extra`. A collective; rank 0 writes."""
+    state = gather_full_state_dict(model, dtype)
+    if dist.get_rank() == 0:
+        model.save_pretrained(folder, state_dict=state)
+        model.config.dtype = dtype  # save_pretrained records the float32 masters' dtype; record the export's
+        model.config.save_pretrained(folder)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        for name, obj in (extra or {}).items():
+            with open(os.path.join(folder, name), "w") as f:
+                json.dump(obj, f, indent=2)

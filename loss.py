@@ -1,12 +1,17 @@
-"""Log-probabilities and the DPO loss family, computed in float32.
+"""Log-probabilities and the DPO loss family, computed in float32, and the loss of a batch of pairs.
 
 Copyable on its own: imports only the standard library and torch.
+
+    logps = sequence_logps(logits, labels)                  # (2B,) float32; labels -100 where not scored
+    losses, chosen_rewards, rejected_rewards = preference_loss(*logps.chunk(2), *ref_logps.chunk(2), "dpo")
+    out = forward_pairs(policy, reference, batch, LossConfig())   # a Hugging Face causal LM on (2B, T) pairs
 
 References
 - DPO: Rafailov et al. 2023, "Direct Preference Optimization", https://arxiv.org/abs/2305.18290 (Eq. 7).
 - cDPO: Mitchell 2023, "A note on DPO with noisy preferences", https://ericmitchell.ai/cdpo.pdf
 - IPO: Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human Preferences",
-  https://arxiv.org/abs/2310.12036 (Eq. 17).
+  https://arxiv.org/abs/2310.12036 (Eq. 17). Its log-ratios are sums as printed; TRL averages them per token
+  (after checking with the authors), and so does --ipo-logps mean, the default here.
 - Hinge (SLiC): Zhao et al. 2023, "SLiC-HF", https://arxiv.org/abs/2305.10425 (Eq. 2, with delta = 1).
 - Robust DPO: Chowdhury et al. 2024, "Provably Robust DPO", https://arxiv.org/abs/2403.00409 (Eq. 8).
 - SimPO: Meng et al. 2024, "SimPO", https://arxiv.org/abs/2405.14734 (Eq. 6).
@@ -23,6 +28,8 @@ References
 - RPO (DPO + NLL): Pang et al. 2024, "Iterative Reasoning Preference Optimization", https://arxiv.org/abs/2404.19733.
 """
 
+import functools
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -53,6 +60,8 @@ class LossConfig:
     """DiscoPOP's temperature of the mix between its logistic and exponential parts, only with --loss discopop."""
     sft_weight: float = 0.0
     """Add this times the chosen responses' token-mean NLL to the preference loss (RPO's alpha); 0 disables."""
+    ipo_logps: Literal["mean", "sum"] = "mean"
+    """IPO's log-probs: mean per token (TRL's, which it checked with the IPO authors), or sum (Eq. 17 as printed)."""
 
     def __post_init__(self):
         if self.loss not in get_args(LossType):
@@ -73,9 +82,19 @@ class LossConfig:
         return self.loss in _REFERENCE_FREE
 
     @property
+    def pairwise(self) -> bool:
+        """False for sft, which scores the chosen responses alone: no rejected log-probs, rewards or margins."""
+        return self.loss != "sft"
+
+    @property
+    def nll_weight(self) -> float:
+        """The weight of the chosen responses' token-mean NLL in the loss: 1 for sft, else --sft-weight."""
+        return 1.0 if self.loss == "sft" else self.sft_weight
+
+    @property
     def average_logps(self) -> bool:
         """True when the loss takes per-token mean log-probs instead of sums."""
-        return self.loss in _AVERAGED
+        return self.loss in _AVERAGED or (self.loss == "ipo" and self.ipo_logps == "mean")
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, average: bool = False) -> torch.Tensor:
@@ -152,12 +171,12 @@ def preference_loss(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair preference losses and implicit rewards.
 
-    All log-prob arguments are (B,) (summed, or averaged for simpo and dpo_norm). The reference ones may be
+    All log-prob arguments are (B,) (summed, or averaged for simpo, dpo_norm and ipo by default). The reference ones may be
     None for a reference-free loss (simpo, sft), and are then taken as 0. With c = pi_c - ref_c, r = pi_r - ref_r,
     h = c - r, z = beta h, eps = label_smoothing and s = sigmoid:
 
         dpo       -(1 - eps) log s(z) - eps log s(-z)                      DPO Eq. 7; cDPO when eps > 0
-        ipo       (h - 1 / (2 beta))^2                                     IPO Eq. 17
+        ipo       (h - 1 / (2 beta))^2                                     IPO Eq. 17 (on mean log-probs by default)
         hinge     max(0, 1 - z)                                            SLiC Eq. 2
         robust    (-(1 - eps) log s(z) + eps log s(-z)) / (1 - 2 eps)      rDPO Eq. 8
         simpo     -log s(beta (pi_c - pi_r) - simpo_gamma)                 SimPO Eq. 6, pi = mean log-probs
@@ -168,6 +187,7 @@ def preference_loss(
         apo_zero  (1 - s(beta c)) + s(beta r)                                             APO-zero
         apo_down  s(beta c) + (1 - s(z))                                                  APO-down
         discopop  (1 - m) (-log s(z)) + m exp(-z), m = s(z / discopop_tau)                DiscoPOP Eq. 5
+                  (m exp(-z) as exp(log m - z): for z < -88.7, exp(-z) alone overflows float32, and 0 x inf is NaN)
         aot       dpo's formula on z = beta (sort(pi_c - pi_r) - sort(ref_c - ref_r))    AOT, sorted over the batch
         aot_pair  dpo's formula on z = beta (sort(c) - sort(r))                         AOT, sorted over the batch
         dpo_norm  dpo on mean log-probs                                                   Tulu 3
@@ -215,8 +235,7 @@ def preference_loss(
         losses = torch.sigmoid(beta * c) + (1 - torch.sigmoid(beta * h))
     elif loss_type == "discopop":
         z = beta * h
-        m = torch.sigmoid(z / discopop_tau)
-        losses = (1 - m) * -F.logsigmoid(z) + m * torch.exp(-z)
+        losses = torch.sigmoid(-z / discopop_tau) * -F.logsigmoid(z) + torch.exp(F.logsigmoid(z / discopop_tau) - z)
     elif loss_type == "aot":
         losses = dpo(beta * ((pc - pr).sort().values - (rc - rr).sort().values))
     elif loss_type == "aot_pair":
@@ -236,3 +255,52 @@ def chosen_nll(chosen_logps: torch.Tensor, tokens_per_pair: float) -> torch.Tens
     tokens_per_pair is -sum(log-probs) / sum(tokens): the token mean, however the batch is split.
     """
     return -chosen_logps.float() / tokens_per_pair
+
+
+# ---------------------------------------------------------------------------------------------- a batch of pairs
+def forward_pairs(policy, reference, batch: dict, objective: LossConfig, ref_logps: torch.Tensor | None = None,
+                  tokens_per_pair: float | None = None) -> dict:
+    """Per-pair losses, rewards and policy log-probs of Hugging Face causal LMs on a batch of B pairs: (2B, T)
+    rows, [chosen; rejected], as batches.collate_pairs makes them (input_ids, attention_mask, position_ids,
+    labels, response_lengths, response_start). ref_logps (2B,) summed, when given (--ref precompute), replaces
+    running `reference`. tokens_per_pair: the whole batch's mean chosen tokens per pair, for the NLL of sft and
+    --sft-weight (see chosen_nll). Also "tokens": the non-padding and all token slots the policy ran on."""
+    if ref_logps is None and reference is not None:  # first, so its logits are freed before the policy's exist
+        with torch.no_grad():
+            ref_logps = model_logps(reference, batch)
+    n = len(batch["input_ids"]) // 2
+    rows = batch if objective.pairwise else {k: v[:n] if torch.is_tensor(v) else v for k, v in batch.items()}
+    summed = model_logps(policy, rows)  # (2B,); SFT: (B,), as running the rejected rows would double the cost
+    if not objective.pairwise:
+        summed = torch.cat([summed, torch.zeros_like(summed)])  # rejected: not computed; no metric shows them
+    per_token = batch["response_lengths"].clamp(min=1) if objective.average_logps else 1
+    chosen, rejected = (summed / per_token).chunk(2)
+    ref_chosen, ref_rejected = (ref_logps / per_token).chunk(2) if ref_logps is not None else (None, None)
+    losses, chosen_rewards, rejected_rewards = preference_loss(
+        chosen, rejected, ref_chosen, ref_rejected, loss_type=objective.loss, beta=objective.beta,
+        label_smoothing=objective.label_smoothing, simpo_gamma=objective.simpo_gamma,
+        discopop_tau=objective.discopop_tau)
+    if objective.nll_weight:
+        losses = losses + objective.nll_weight * chosen_nll(summed[:n], tokens_per_pair)
+    mask = rows["attention_mask"]
+    return {"losses": losses, "chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards,
+            "chosen_logps": chosen.detach(), "rejected_logps": rejected.detach(),
+            "tokens": torch.stack([mask.sum(), torch.full((), mask.numel(), device=mask.device)]).float()}
+
+
+def model_logps(model, batch: dict) -> torch.Tensor:
+    """(rows,) float32 summed log-probs of a forward_pairs batch's responses. As every response starts at column
+    batch["response_start"], only the columns from the one before it go through the output layer."""
+    start = max(batch["response_start"] - 1, 0)  # the last prompt column scores the first response token
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    labels = batch["labels"]
+    if _takes_logits_to_keep(type(model)):
+        inputs["logits_to_keep"] = labels.shape[1] - start
+        labels = labels[:, start:]  # (rows, T - start), aligned with the kept logits
+    logits = model(**inputs, use_cache=False).logits  # (rows, T - start, V) in the compute dtype
+    return sequence_logps(logits, labels)
+
+
+@functools.cache
+def _takes_logits_to_keep(model_class) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters

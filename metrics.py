@@ -6,10 +6,13 @@ Copyable on its own: imports only the standard library and torch.
     sums += pair_sums(out, weight)           # per micro-batch, no host sync
     dist.all_reduce(sums)                    # once per step
     row = pair_means(sums, n_pairs)          # {"loss": ..., "rewards/accuracies": ..., ...}
+    log = RunLog("runs/x", resume_step=0, samples=True, wandb_project=None, config={})
+    log.write({"step": 1, "split": "train", **row}); log.close()   # metrics.jsonl (rank 0), metrics.png
 """
 
 import json
 import os
+import pathlib
 import resource
 import sys
 
@@ -32,9 +35,19 @@ def pair_sums(out: dict, weight: torch.Tensor) -> torch.Tensor:
     return torch.stack([(x * weight).sum() for x in per_pair])
 
 
-def pair_means(sums: torch.Tensor, count: float) -> dict:
-    """{metric name: sum / count} for the first len(PAIR_METRICS) entries of `sums`."""
-    return {k: v / count for k, v in zip(PAIR_METRICS, sums.tolist())}
+def pair_means(sums: torch.Tensor, count: float, keys: tuple[str, ...] = PAIR_METRICS) -> dict:
+    """{metric name: sum / count} for the first len(PAIR_METRICS) entries of `sums`, those named in `keys`."""
+    return {k: v / count for k, v in zip(PAIR_METRICS, sums.tolist()) if k in keys}
+
+
+def step_metrics(sums: torch.Tensor, peaks: torch.Tensor, seconds: float, batch_size: int,
+                 keys: tuple[str, ...] = PAIR_METRICS) -> dict:
+    """A train row from a step's reduced sums [PAIR_METRICS..., non-padding tokens, all tokens] and maxima
+    [peak memory, ...]: pair means (those in `keys`), throughput, padding efficiency, the fullest rank's memory."""
+    tokens = sums[-2].item()
+    return {**pair_means(sums[:-2], batch_size, keys), "tokens_per_s": tokens / seconds,
+            "pairs_per_s": batch_size / seconds, "padding_efficiency": tokens / sums[-1].item(),
+            "peak_mem_gb": peaks[0].item()}
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -58,6 +71,12 @@ def host_memory_by_rank_gb(device: torch.device) -> list[float]:
 _PEAK_FLOPS = {"H100 PCIe": (756e12, 51e12), "H100": (989e12, 67e12), "H200": (989e12, 67e12),
                "B200": (2250e12, 80e12), "A100": (312e12, 19.5e12), "L40S": (362e12, 91.6e12),
                "A10G": (125e12, 31.2e12), "L4": (121e12, 30.3e12)}
+
+
+def mfu(flops_per_s: float, world: int, device: torch.device, precision: str) -> dict:
+    """{"mfu": model FLOP/s over all ranks' dense peak} on a GPU of known peak (_PEAK_FLOPS), else {}."""
+    peak = device_peak_flops(torch.cuda.get_device_name(device), precision) if device.type == "cuda" else None
+    return {"mfu": flops_per_s / (world * peak)} if peak else {}
 
 
 def device_peak_flops(name: str, precision: str) -> float | None:
@@ -96,9 +115,7 @@ def open_log(path: str, resume_step: int):
     if resume_step and os.path.exists(path):
         with open(path) as f:
             rows = [line for line in f if json.loads(line)["step"] <= resume_step]
-    with open(path + ".tmp", "w") as f:
-        f.writelines(rows)
-    os.replace(path + ".tmp", path)
+    _write_atomic(path, lambda tmp: pathlib.Path(tmp).write_text("".join(rows)))
     return open(path, "a", buffering=1)
 
 
@@ -120,9 +137,43 @@ def plot_metrics(jsonl_path: str, png_path: str) -> bool:
         ax.set(title=key, xlabel="step")
         if ax.lines:  # SFT has no rewards to plot
             ax.legend()
-    fig.savefig(png_path + ".tmp.png")
-    os.replace(png_path + ".tmp.png", png_path)
+    _write_atomic(png_path, lambda tmp: fig.savefig(tmp, format="png"))
     return True
+
+
+def _write_atomic(path: str, write) -> None:  # a reader never sees half a file (data.write_atomic's twin)
+    write(path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+class RunLog:
+    """Where a run's rows go: {out_dir}/metrics.jsonl, samples.jsonl and W&B, written by rank 0 (a call on any
+    other rank does nothing). A resumed run keeps the rows up to its step (see open_log)."""
+
+    def __init__(self, out_dir: str, resume_step: int, samples: bool, wandb_project: str | None, config: dict):
+        rank0 = (dist.get_rank() if dist.is_initialized() else 0) == 0
+        os.makedirs(out_dir, exist_ok=True)
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        self.metrics = open_log(self.path, resume_step) if rank0 else None
+        self.samples = open_log(os.path.join(out_dir, "samples.jsonl"), resume_step) if rank0 and samples else None
+        self.wandb = open_wandb(wandb_project, config, out_dir) if rank0 and wandb_project else None
+
+    def write(self, row: dict, samples: list[dict] | None = None) -> None:
+        for f, rows in ((self.metrics, [row]), (self.samples, samples or [])):
+            if f:  # line-buffered: each row reaches the disk as it is written
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+        if self.wandb:
+            self.wandb.log(row, samples)
+
+    def close(self) -> None:
+        """Close the files, plot metrics.png (a notice if matplotlib is missing) and finish the W&B run."""
+        for f in (self.metrics, self.samples):
+            if f:
+                f.close()
+        if self.metrics and not plot_metrics(self.path, self.path.replace(".jsonl", ".png")):
+            say("matplotlib is not installed: no metrics.png (pip install matplotlib)")
+        if self.wandb:
+            self.wandb.finish()
 
 
 class open_wandb:

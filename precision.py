@@ -35,6 +35,16 @@ class PrecisionConfig:
     """Compute precision; master weights, gradient reduction and optimizer state stay float32."""
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """Gradient reduce-scatter dtype. bf16 (with --precision bf16 only) halves the traffic but rounds the sum."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
+    max_skipped_steps: int = 5
+    """Stop after this many consecutive steps with a non-finite loss or gradient norm (each skipped on all ranks).
+    fp16 steps whose loss is finite but whose gradients overflow only lower the loss scale and do not count."""
+
+    def __post_init__(self):
+        if not (self.max_grad_norm >= 0 and self.max_skipped_steps >= 1):
+            raise ValueError(f"need --max-grad-norm >= 0 and --max-skipped-steps >= 1, got {self.max_grad_norm} "
+                             f"and {self.max_skipped_steps}")
 
 
 @dataclass(frozen=True)
@@ -93,6 +103,13 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
     except FileNotFoundError:
         return None
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def skip_counts(scaler: torch.amp.GradScaler | None, loss: float) -> bool:
+    """Whether a skipped step counts toward a run's limit of failures: not when its loss is finite and fp16's
+    scaled gradients overflowed, which is the scaler finding its scale (from 2^16 the first steps often do),
+    until the scale is below 1, where halving it is no longer the cure."""
+    return not (scaler is not None and math.isfinite(loss) and scaler.get_scale() >= 1)
 
 
 def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,

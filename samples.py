@@ -3,6 +3,7 @@
 Copyable on its own: imports only the standard library and torch.
 
     completions = generate(model, [prompt_ids, ...], max_new_tokens=48, eos_id=tok.eos_token_id, pad_id=0)
+    rows = sample_completions(model, tok, [prompt_ids, ...], SampleConfig(), pad_id=0)  # {"prompt", "completion"}
 
 Under FSDP2 every forward is a collective (each layer's parameters are all-gathered), so every rank must run
 the same number of forwards. Hugging Face's `generate` stops when this rank's sequences end, which differs
@@ -10,8 +11,35 @@ between ranks that sample differently, and then hangs the others. Here the ranks
 whether all of them are done (one tiny all-reduce), and stop together.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
+
+
+@dataclass
+class SampleConfig:
+    num_samples: int = 8
+    """At each evaluation, complete the first N held-out prompts into {out_dir}/samples.jsonl; 0 disables."""
+    sample_max_tokens: int = 64
+    """Most new tokens per sampled completion."""
+    sample_temperature: float = 0.0
+    """0: greedy completions; above 0: sampled at this temperature with a generator seeded by --seed."""
+
+    def __post_init__(self):
+        for name in ("num_samples", "sample_max_tokens", "sample_temperature"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+
+
+def sample_completions(model, tokenizer, prompts: list[list[int]], config: SampleConfig, pad_id: int,
+                       seed: int = 0) -> list[dict[str, str]]:
+    """{"prompt", "completion"} texts (decoded without special tokens) of generate under `config`; a collective
+    like generate."""
+    completions = generate(model, prompts, config.sample_max_tokens, tokenizer.eos_token_id, pad_id,
+                           config.sample_temperature, seed)
+    text = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    return [{"prompt": text(p), "completion": text(c)} for p, c in zip(prompts, completions)]
 
 
 @torch.no_grad()

@@ -8,10 +8,12 @@ checks on CUDA with nccl."""
 import ast
 import contextlib
 import copy
+import dataclasses
 import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -25,12 +27,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import train_dpo
-from data import (DataConfig, DataError, PairTokens, build_batches, build_eval_batches, collate_pairs, pair_lengths,
-                  prepare_data, read_rows, tokenize_pairs)
-from demo import demo_pairs, score_completion, write_demo
 import data
 import fsdp_setup
 import precision
+from batches import build_batches, build_eval_batches, collate_pairs, pair_lengths, rank_share
+from data import DataConfig, DataError, PairTokens, load_tokens, read_rows, tokenize_pairs, tokenize_to_cache, write_jsonl
+from demo import demo_pairs, score_completion
 from fsdp_setup import apply_ac, find_block_class, gather_full_state_dict
 from loss import preference_loss, sequence_logps
 from metrics import PAIR_METRICS, device_peak_flops
@@ -76,6 +78,15 @@ def as_tokens(pairs):
     return PairTokens(torch.tensor(flat, dtype=torch.int32), torch.tensor(lengths))
 
 
+def prepare_data(config, tokenizer, cache_dir):
+    """(train, eval, summary) of a DataConfig on one process, cached in cache_dir."""
+    return load_tokens(tokenize_to_cache(dataclasses.replace(config, cache_dir=cache_dir), tokenizer))
+
+
+def _write_jsonl(path, rows):
+    return write_jsonl(str(path), rows)
+
+
 def read_metrics(out_dir, split="train"):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [r for r in map(json.loads, f) if r["split"] == split]
@@ -108,8 +119,12 @@ def load_safetensors_file(path):
 
 
 # ---------------------------------------------------------------------------------------------- loss.py
-def _logsig(x):
-    return -math.log1p(math.exp(-x))
+def _logsig(x):  # log sigmoid, without overflow at large |x|
+    return min(x, 0.0) - math.log1p(math.exp(-abs(x)))
+
+
+def _sig(x):
+    return math.exp(_logsig(x))
 
 
 LOSSES = ["dpo", "cdpo", "ipo", "hinge", "robust", "simpo", "exo_pair", "nca_pair", "bco_pair", "sppo_hard",
@@ -118,12 +133,15 @@ LOSSES = ["dpo", "cdpo", "ipo", "hinge", "robust", "simpo", "exo_pair", "nca_pai
 
 @pytest.mark.parametrize("loss_type", LOSSES)
 def test_preference_loss_matches_hand_computed_values(loss_type):
-    pc, pr, rc, rr = [-1.0, -4.0, -2.5], [-2.0, -1.0, -3.0], [-1.5, -3.0, -2.0], [-1.5, -2.0, -2.0]
+    # The last two pairs have margins of +-1000 (beta h = +-250): exp(250) is inf in float32, so a loss that
+    # forms it (DiscoPOP's exp(-z)) must be computed stably, with finite values and gradients.
+    pc, pr = [-1.0, -4.0, -2.5, -1.0, -1000.0], [-2.0, -1.0, -3.0, -1000.0, -1.0]
+    rc, rr = [-1.5, -3.0, -2.0, -500.0, -500.0], [-1.5, -2.0, -2.0, -500.0, -500.0]
     beta, eps, gamma, tau = 0.25, (0.2 if loss_type in ("cdpo", "robust") else 0.0), 0.3, 0.05
-    sig = lambda x: 1 / (1 + math.exp(-x))
+    sig, n = _sig, len(pc)
     dpo = lambda z: -_logsig(z)
     # bco_pair's shift: the batch mean of all rewards; aot and aot_pair pair up sorted values across the batch.
-    d = beta * sum((a - c) + (b - e) for a, b, c, e in zip(pc, pr, rc, rr)) / 6
+    d = beta * sum((a - c) + (b - e) for a, b, c, e in zip(pc, pr, rc, rr)) / (2 * n)
     aot = [beta * (x - y) for x, y in zip(sorted(a - b for a, b in zip(pc, pr)), sorted(c - e for c, e in zip(rc, rr)))]
     aot_pair = [beta * (x - y) for x, y in zip(sorted(a - c for a, c in zip(pc, rc)), sorted(b - e for b, e in zip(pr, rr)))]
     expected = []
@@ -138,7 +156,7 @@ def test_preference_loss_matches_hand_computed_values(loss_type):
             "sppo_hard": (cw - 0.5 / beta) ** 2 + (rw + 0.5 / beta) ** 2,
             "apo_zero": (1 - sig(beta * cw)) + sig(beta * rw),
             "apo_down": sig(beta * cw) + (1 - sig(z)),
-            "discopop": (1 - sig(z / tau)) * dpo(z) + sig(z / tau) * math.exp(-z),
+            "discopop": (1 - sig(z / tau)) * dpo(z) + math.exp(_logsig(z / tau) - z),
             "aot": dpo(aot[i]),
             "aot_pair": dpo(aot_pair[i]),
             "dpo_norm": dpo(z),  # the formula of dpo; the mean log-probs are the caller's (average_logps)
@@ -151,15 +169,19 @@ def test_preference_loss_matches_hand_computed_values(loss_type):
             "robust": (-(1 - eps) * _logsig(beta * h) + eps * _logsig(-beta * h)) / (1 - 2 * eps),
             "simpo": -_logsig(beta * (a - b) - gamma),
         }[loss_type])
-    t = lambda xs: torch.tensor(xs, dtype=torch.float64)
+    t = lambda xs: torch.tensor(xs, dtype=torch.float64, requires_grad=True)
     free = loss_type in ("simpo", "sft")
-    refs = (None, None) if free else (t(rc), t(rr))
-    losses, cr, rj = preference_loss(t(pc), t(pr), *refs, loss_type="dpo" if loss_type == "cdpo" else loss_type,
+    inputs = [t(pc), t(pr)] + ([] if free else [t(rc), t(rr)])
+    refs = (None, None) if free else inputs[2:]
+    losses, cr, rj = preference_loss(*inputs[:2], *refs, loss_type="dpo" if loss_type == "cdpo" else loss_type,
                                      beta=beta, label_smoothing=eps, simpo_gamma=gamma, discopop_tau=tau)
-    assert losses.dtype == torch.float32 and losses.shape == (3,)
+    assert losses.dtype == torch.float32 and losses.shape == (n,)
     assert losses.tolist() == pytest.approx(expected, rel=1e-6, abs=1e-7)
+    if loss_type != "sft":  # its loss is all in chosen_nll: nothing to differentiate here
+        losses.sum().backward()
+        assert all(torch.isfinite(x.grad).all() for x in inputs)
     assert train_dpo.LossConfig(loss=loss_type if loss_type != "cdpo" else "dpo").reference_free == free
-    base_c, base_r = ([0.0] * 3, [0.0] * 3) if free else (rc, rr)
+    base_c, base_r = ([0.0] * n, [0.0] * n) if free else (rc, rr)
     assert cr.tolist() == pytest.approx([beta * (a - c) for a, c in zip(pc, base_c)], rel=1e-6)
     assert rj.tolist() == pytest.approx([beta * (b - d) for b, d in zip(pr, base_r)], rel=1e-6)
 
@@ -381,15 +403,17 @@ def test_demo_is_deterministic_with_disjoint_held_out_items():
 @pytest.mark.parametrize("grouped", [False, True])
 def test_build_batches_disjoint_across_ranks_and_deterministic(grouped):
     lengths = [(random.Random(i).randint(5, 300), random.Random(-i).randint(5, 300)) for i in range(1000)] if grouped else None
-    one = build_batches(1000, 8, rank=0, world_size=1, seed=5, epoch=0, lengths=lengths)
-    two = [build_batches(1000, 8, rank=r, world_size=2, seed=5, epoch=0, lengths=lengths) for r in range(2)]
+    one = build_batches(1000, 8, seed=5, epoch=0, lengths=lengths)
     assert len(one) == 125 and all(len(b) == 8 for b in one)
-    for step, batch in enumerate(one):
-        assert two[0][step] + two[1][step] == batch and not set(two[0][step]) & set(two[1][step])
+    for batch in one:
+        halves = [rank_share(batch, r, 2) for r in range(2)]
+        assert halves[0] + halves[1] == batch and not set(halves[0]) & set(halves[1])
     assert len({i for b in one for i in b}) == 1000
-    again = build_batches(1000, 8, 0, 1, seed=5, epoch=0, lengths=lengths)
-    assert one == again != build_batches(1000, 8, 0, 1, seed=5, epoch=1, lengths=lengths)
-    assert len(build_batches(100, 8, 0, 1, seed=5, epoch=0, lengths=lengths)) == 12  # a partial batch is dropped
+    again = build_batches(1000, 8, seed=5, epoch=0, lengths=lengths)
+    assert one == again != build_batches(1000, 8, seed=5, epoch=1, lengths=lengths)
+    assert len(build_batches(100, 8, seed=5, epoch=0, lengths=lengths)) == 12  # a partial batch is dropped
+    with pytest.raises(ValueError, match="not divisible by 3 ranks"):
+        rank_share(one[0], 0, 3)
 
 
 @pytest.mark.parametrize("n, micro, world", [(10, 3, 2), (5, 2, 4), (7, 4, 1), (256, 8, 3)])
@@ -408,11 +432,11 @@ def test_length_grouping_gives_at_least_90_percent_real_tokens_on_mixed_lengths(
 
     def efficiency(lengths):
         real = total = 0
-        for batch in build_batches(len(pairs), 16, 0, 1, seed=0, epoch=0, lengths=lengths):
+        for batch in build_batches(len(pairs), 16, seed=0, epoch=0, lengths=lengths):
             mask = collate_pairs([pairs[i] for i in batch], pad_id=0)["attention_mask"]
             real, total = real + mask.sum().item(), total + mask.numel()
         return real / total
-    grouped, shuffled = efficiency(pair_lengths(as_tokens(pairs))), efficiency(None)
+    grouped, shuffled = efficiency(pair_lengths(as_tokens(pairs).lengths)), efficiency(None)
     assert grouped >= 0.9 and shuffled < 0.6, (grouped, shuffled)
 
 
@@ -423,11 +447,6 @@ def _bpe_tokenizer():
     vocab = {"<pad>": 0, "</s>": 1, "a": 2, "b": 3, "c": 4, "x": 5, " ": 6, "ab": 7}
     raw = Tokenizer(models.BPE(vocab, merges=[("a", "b")]))
     return PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", pad_token="<pad>")
-
-
-def _write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
 
 
 def _tokens_of(path, tok, **config):
@@ -500,6 +519,16 @@ def test_truncation_modes_and_dropped_pairs_are_counted(tmp_path):
          "truncated_prompts": 2, "truncated_responses": 1}
     # Percentiles of the lengths before truncation: prompts of 10, 10 and 3 tokens.
     assert summary["tokens_before_truncation"]["prompt"] == {"p50": 10, "p90": 10, "p99": 10, "p100": 10}
+
+
+def test_pairs_identical_once_truncated_are_dropped_and_counted(tmp_path):
+    _, tok = tiny(seed=0)  # one token per byte
+    rows = [{"prompt": "Q:", "chosen": " same words then good", "rejected": " same words then bad"},
+            {"prompt": "Q:", "chosen": " yes", "rejected": " no"}]
+    # 14 tokens leave 12 for the responses: " same words t" in both, which then teach nothing.
+    tokens, summary = _tokens_of(_write_jsonl(tmp_path / "p.jsonl", rows), tok, max_length=14, max_prompt_length=4)
+    assert [tok.decode(p["chosen"]) for p in tokens] == [" yes</s>"]
+    assert (summary["dropped_identical"], summary["identical_after_truncation"], summary["truncated"]) == (1, 1, 0)
 
 
 ROW_ERRORS = {
@@ -590,7 +619,7 @@ def test_eval_fraction_holds_out_a_fixed_disjoint_share(tmp_path):
 TOKENIZE_ONCE = """
 import os, sys
 import torch.distributed as dist
-import data, train_dpo
+import data, fsdp_setup, train_dpo
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 real, calls = data.tokenize_pairs, []
@@ -601,7 +630,8 @@ def only_rank0(*args, **kwargs):
 data.tokenize_pairs = only_rank0
 _, tok = train_dpo.load_model_config("tiny")
 for round in range(2):  # the second call finds the cache and tokenizes nothing
-    train, evals, summary = data.prepare_data(data.DataConfig(data=(sys.argv[1],), eval_fraction=0.5), tok, sys.argv[2])
+    config = data.DataConfig(data=(sys.argv[1],), eval_fraction=0.5, cache_dir=sys.argv[2])
+    train, evals, summary = data.load_tokens(fsdp_setup.on_rank0(lambda: data.tokenize_to_cache(config, tok)))
     with open(os.path.join(sys.argv[2], f"rank{rank}-{round}.txt"), "w") as f:
         f.write(f"{rank} {len(train)} {len(evals)} {train.ids.sum().item()} {len(calls)}")
 dist.destroy_process_group()
@@ -646,6 +676,8 @@ BAD_INPUTS = {
     "notobject.jsonl": ('["a", "b", "c"]\n', ":1: expected an object"),
     "empty.jsonl": ("\n  \n", ":1: empty file"),
     "absent.jsonl": (None, ": no such file"),
+    "latin1.jsonl": (b'{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "caf\xe9", "chosen": "b"}\n',
+                     ":2: not UTF-8 text (byte 0xe9 at column 16)"),
 }
 
 
@@ -654,8 +686,8 @@ def test_bad_input_is_one_clean_line_and_writes_nothing(tmp_path, capsys, name):
     text, message = BAD_INPUTS[name]
     path = tmp_path / name
     if text is not None:
-        path.write_text(text)
-    with pytest.raises(DataError, match=message):
+        path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
+    with pytest.raises(DataError, match=re.escape(message)):
         read_rows(str(path))
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
@@ -797,7 +829,7 @@ def test_bf16_keeps_float32_masters_grads_optimizer_state_and_loss():
         out = train_dpo.forward_pairs(policy, reference, batch, train_dpo.LossConfig())
         assert all(v.dtype == torch.float32 for v in out.values())
         loss = out["losses"].mean() - out["chosen_logps"].sum() * 0  # the loss itself is float32
-        (loss - train_dpo.sequence_logps(logits, batch["labels"]).mean()).backward()
+        (loss - sequence_logps(logits, batch["labels"]).mean()).backward()
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
         optimizer.step()
         assert all(p.grad.dtype == torch.float32 for p in policy.parameters())
@@ -859,7 +891,7 @@ def test_gradient_accumulation_keeps_only_gradient_shards_unless_asked(tmp_path,
     held, real = [], train_dpo.forward_pairs
 
     def forward_pairs(policy, *args, **kwargs):  # at each training micro-batch: is there a p.grad yet?
-        if policy.training:
+        if torch.is_grad_enabled():  # a training forward, not evaluation
             held.append({p.grad is not None for p in policy.parameters()})
         return real(policy, *args, **kwargs)
     monkeypatch.setattr(train_dpo, "forward_pairs", forward_pairs)
@@ -945,7 +977,7 @@ def _record_randomness(monkeypatch, cuda=False):
     real, draws = train_dpo.forward_pairs, []
 
     def forward_pairs(policy, *args, **kwargs):
-        if policy.training:
+        if torch.is_grad_enabled():  # a training forward, not evaluation
             draws.append((torch.rand(1).item(), random.random(), *([torch.rand(1, device="cuda").item()] if cuda else [])))
         return real(policy, *args, **kwargs)
     monkeypatch.setattr(train_dpo, "forward_pairs", forward_pairs)
@@ -1059,6 +1091,8 @@ def test_resume_refuses_a_different_run_and_exports_in_the_chosen_dtype(tmp_path
     capsys.readouterr()
     for args, message in ((["--batch-size", "8"], "--batch-size is 8 but the checkpoint was trained with 16"),
                           (["--beta", "0.5"], "--beta is 0.5 but the checkpoint was trained with 0.1"),
+                          # another batch order for the rest of the epoch would repeat some pairs and skip others
+                          (["--no-group-by-length"], "--group-by-length is False but the checkpoint was trained with True"),
                           (["--data", "demo"], "--data is ['demo'] but the checkpoint was trained with")):
         with pytest.raises(SystemExit) as exit_info:
             data_args = [] if "--data" in args else ["--data", str(data)]  # a repeated --data appends
@@ -1116,11 +1150,12 @@ def test_ref_precompute_matches_online_reference_and_is_cached_by_its_inputs(tmp
 
 PREEMPT = """
 import os, signal, sys
+import torch
 import train_dpo
 real, calls = train_dpo.forward_pairs, [0]
 
 def forward_pairs(policy, *args, **kwargs):  # SIGTERM to rank 1 alone, in the middle of step 3
-    if policy.training:
+    if torch.is_grad_enabled():  # a training forward, not evaluation
         calls[0] += 1
         if calls[0] == 3 and os.environ["RANK"] == "1":
             os.kill(os.getpid(), signal.SIGTERM)
@@ -1269,7 +1304,7 @@ def _poison(monkeypatch, bad_calls):
 
     def forward_pairs(policy, *args, **kwargs):
         out = real(policy, *args, **kwargs)
-        if policy.training:
+        if torch.is_grad_enabled():  # a training forward, not evaluation
             calls[0] += 1
             if calls[0] in bad_calls:
                 out["losses"] = out["losses"] * float("nan")
@@ -1310,9 +1345,8 @@ def test_sft_stage_logs_hf_token_mean_nll_then_feeds_dpo(tmp_path):
     # Step 1's loss (before any update) is the HF model's own token-mean cross-entropy over the chosen rows of
     # the first global batch, accumulated here over 4 micro-batches.
     policy, tok = tiny(seed=0)
-    train_path, _, _ = write_demo(CACHE)
-    tokens, _, _ = prepare_data(DataConfig(data=(train_path,)), tok, CACHE)
-    first = build_batches(len(tokens), 16, 0, 1, seed=0, epoch=0, lengths=pair_lengths(tokens))[0]
+    tokens, _, _ = prepare_data(DataConfig(data=(os.path.join(CACHE, "demo-train.jsonl"),)), tok, CACHE)  # the run's
+    first = build_batches(len(tokens), 16, seed=0, epoch=0, lengths=pair_lengths(tokens.lengths))[0]
     nll = count = 0.0
     with torch.no_grad():
         for i in first:
@@ -1330,6 +1364,42 @@ def test_sft_stage_logs_hf_token_mean_nll_then_feeds_dpo(tmp_path):
               "--num-samples", "0")
     assert read_metrics(dpo)[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert not os.path.exists(os.path.join(dpo, "samples.jsonl"))
+
+
+@pytest.mark.parametrize("ipo_logps", ["mean", "sum"])
+def test_ipo_takes_mean_or_summed_log_ratios(ipo_logps):
+    policy, tok = tiny(seed=3)
+    reference, _ = tiny(seed=4)  # another model, so the log-ratios are not 0
+    pairs = tokenize(demo_pairs("train")[:4], tok)
+    objective = train_dpo.LossConfig(loss="ipo", beta=0.5, ipo_logps=ipo_logps)
+    assert objective.average_logps == (ipo_logps == "mean")  # mean, TRL's, is the default
+    assert train_dpo.LossConfig(loss="ipo").ipo_logps == "mean"
+    with torch.no_grad():
+        out = train_dpo.forward_pairs(policy.eval(), reference.eval(), collate_pairs(pairs, tok.pad_token_id), objective)
+
+        def logp(model, pair, key):  # Hugging Face's own token-mean loss, one sequence at a time
+            ids, labels = pair["prompt"] + pair[key], [-100] * len(pair["prompt"]) + pair[key]
+            mean = -model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels])).loss.item()
+            return mean if ipo_logps == "mean" else mean * len(pair[key])
+        expected = [((logp(policy, p, "chosen") - logp(reference, p, "chosen"))
+                     - (logp(policy, p, "rejected") - logp(reference, p, "rejected")) - 1 / (2 * 0.5)) ** 2 for p in pairs]
+    assert out["losses"].tolist() == pytest.approx(expected, rel=1e-4)
+
+
+def test_dropout_is_off_unless_asked_so_the_first_step_has_zero_rewards(tmp_path):
+    import transformers
+    _, tok = tiny(seed=0)  # GPT-2's config has dropout: 0.1 on embeddings, attention and residuals
+    config = transformers.GPT2Config(vocab_size=len(tok), n_positions=128, n_embd=64, n_layer=2, n_head=2,
+                                     eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
+                                     pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gpt2")
+    tok.save_pretrained(tmp_path / "gpt2")
+    args = ("--model", str(tmp_path / "gpt2"), "--max-length", "128", "--max-steps", "1", "--lr", "1e-4")
+    off, on = (read_metrics(run(tmp_path, name, *args, *flag))[0] for name, flag in (("off", []), ("on", ["--dropout"])))
+    # Policy == reference at step 1: without dropout every log-ratio is exactly 0 and the loss is ln 2.
+    assert off["rewards/chosen"] == off["rewards/rejected"] == 0 and off["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert on["rewards/chosen"] != 0 and on["rewards/rejected"] != 0  # dropout's noise, kept when asked for
 
 
 def test_sft_weight_adds_the_weighted_chosen_nll():

@@ -1,4 +1,4 @@
-"""Two ranks call data.prepare_data on one file: time, and memory before and after (RssAnon: the process's own;
+"""Two ranks prepare one file's tokens as a run does: time, and memory before and after (RssAnon: the process's own;
 RssFile: mapped file pages, shared between ranks), then peak RSS. From the repo root:
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/tokenize_memory.py PAIRS.jsonl tiny CACHE_DIR"""
 import os
@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import data  # noqa: E402
+import fsdp_setup  # noqa: E402
 
 dist.init_process_group("gloo")
 
@@ -20,8 +21,8 @@ def mem():
 
 
 before, tok, t0 = mem(), data.load_tokenizer(sys.argv[2]), time.perf_counter()
-train, _, _ = data.prepare_data(data.DataConfig(data=(sys.argv[1],), max_length=1024, max_prompt_length=512),
-                                tok, sys.argv[3])
+config = data.DataConfig(data=(sys.argv[1],), max_length=1024, max_prompt_length=512, cache_dir=sys.argv[3])
+train, _, _ = data.load_tokens(fsdp_setup.on_rank0(lambda: data.tokenize_to_cache(config, tok)))
 t = time.perf_counter() - t0
 sum(len(train[i]["chosen"]) for i in range(len(train)))  # touch every pair
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
