@@ -348,7 +348,10 @@ def _truncate(prompt: list[int], chosen: list[int], rejected: list[int], prefix:
     if len(chosen) == 1 or len(rejected) == 1:  # nothing but EOS
         counts["dropped_empty"] += 1
         return None
-    longest, identical = max(len(chosen), len(rejected)), chosen == rejected
+    if chosen == rejected:
+        counts["dropped_identical"] += 1
+        return None
+    longest = max(len(chosen), len(rejected))
     for key, n in (("prompt", len(prompt)), ("response", longest), ("pair", len(prompt) + longest)):
         raw[key].append(n)
     cut = []
@@ -358,9 +361,9 @@ def _truncate(prompt: list[int], chosen: list[int], rejected: list[int], prefix:
         room = config.max_length - len(prompt)
         if longest > room:
             chosen, rejected, cut = chosen[:room], rejected[:room], cut + ["truncated_responses"]
-    if chosen == rejected:  # checked after truncation: responses that differ only past the cut teach nothing
+    if chosen == rejected:  # responses that differ only past the cut teach nothing either
         counts["dropped_identical"] += 1
-        counts["identical_after_truncation"] += not identical
+        counts["identical_after_truncation"] += 1
         return None
     for key in ["truncated"] * bool(cut) + cut:
         counts[key] += 1
@@ -422,8 +425,9 @@ def tokenize_to_cache(config: DataConfig, tokenizer, progress=None) -> str:
     if not len(train):
         raise DataError(f"{','.join(config.data)}: every pair was dropped ({train_summary['dropped']} with an "
                         f"empty or identical response)")
-    summary = {"fingerprint": digest, "train_sha256": key_digest(key["train"]), "train": train_summary,
-               "eval": eval_summary}
+    # What fixes the training pairs, for resume checks: the files, and how this code and tokenizer cut them.
+    train_key = key_digest([key["train"], key["version"], key["tokenizer"]])
+    summary = {"fingerprint": digest, "train_sha256": train_key, "train": train_summary, "eval": eval_summary}
     return write_atomic(path, lambda tmp: torch.save({"train_ids": train.ids, "train_lengths": train.lengths,
                                                       "eval_ids": evals.ids, "eval_lengths": evals.lengths,
                                                       "summary": json.dumps(summary)}, tmp))

@@ -14,9 +14,8 @@ Copyable on its own: imports only the standard library and torch.
     save_pretrained(model, "final", torch.bfloat16, tokenizer)   # a Hugging Face folder, written by rank 0
 """
 
-import json
-
 import contextlib
+import json
 import os
 from dataclasses import dataclass
 from datetime import timedelta

@@ -170,7 +170,7 @@ class RunLog:
         for f in (self.metrics, self.samples):
             if f:
                 f.close()
-        if self.metrics and not plot_metrics(self.path, self.path.replace(".jsonl", ".png")):
+        if self.metrics and not plot_metrics(self.path, os.path.join(os.path.dirname(self.path), "metrics.png")):
             say("matplotlib is not installed: no metrics.png (pip install matplotlib)")
         if self.wandb:
             self.wandb.finish()

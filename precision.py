@@ -42,9 +42,9 @@ class PrecisionConfig:
     fp16 steps whose loss is finite but whose gradients overflow only lower the loss scale and do not count."""
 
     def __post_init__(self):
-        if not (self.max_grad_norm >= 0 and self.max_skipped_steps >= 1):
-            raise ValueError(f"need --max-grad-norm >= 0 and --max-skipped-steps >= 1, got {self.max_grad_norm} "
-                             f"and {self.max_skipped_steps}")
+        for name, low in (("max_grad_norm", 0), ("max_skipped_steps", 1)):
+            if not getattr(self, name) >= low:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

@@ -1104,7 +1104,7 @@ def test_resume_refuses_a_different_run_and_exports_in_the_chosen_dtype(tmp_path
     with pytest.raises(SystemExit):
         train_dpo.main(["--out-dir", out, "--cache-dir", CACHE, "--batch-size", "16", "--data", str(data), "--resume",
                         "latest", *ON_CPU])
-    assert "the content of --data is" in capsys.readouterr().err
+    assert "the tokenized --data (its content, cut by this code) is" in capsys.readouterr().err
     # Settings that may change on resume: here the length of the run and the precision.
     data.write_text("".join(json.dumps(p) + "\n" for p in demo_pairs("train")[:64]))
     run(tmp_path, "run", "--data", str(data), "--max-steps", "3", "--precision", "bf16", "--resume", "latest")

@@ -96,12 +96,13 @@ class Config:
 
 # What makes two runs the same run: resuming with any of these changed is refused. Everything else may change
 # on resume (--max-steps, --epochs, --lr, --warmup-steps, precision, ...); the LR schedule follows the new values.
-_SAME_RUN = {"model": "--model", "data": "--data", "data_sha256": "the content of --data", "seed": "--seed",
+_SAME_RUN = {"model": "--model", "data": "--data", "data_sha256": "the tokenized --data (its content, cut by this "
+             "code)", "seed": "--seed",
              "eval_fraction": "--eval-fraction", "batch_size": "--batch-size", "max_length": "--max-length",
              "max_prompt_length": "--max-prompt-length", "truncation": "--truncation",
              "group_by_length": "--group-by-length", "loss": "--loss", "beta": "--beta",
              "label_smoothing": "--label-smoothing", "simpo_gamma": "--simpo-gamma", "discopop_tau": "--discopop-tau",
-             "sft_weight": "--sft-weight", "ipo_logps": "--ipo-logps"}
+             "sft_weight": "--sft-weight", "average_logps": "mean log-probs (--ipo-logps)"}
 
 
 # ---------------------------------------------------------------------------------------------- setup
@@ -162,11 +163,16 @@ def setup_run(cfg: Config, rank: int, world: int, device: torch.device) -> Run:
     if cfg.checkpoints.resume:
         path = find_checkpoint(os.path.join(cfg.out_dir, "checkpoints"), cfg.checkpoints.resume)
         saved = {**read_trainer_state(path), "path": path}
-        current = json.loads(json.dumps({"config": asdict(cfg), "data_sha256": data["train_sha256"]}))  # as saved
+        current = json.loads(json.dumps(_identity(cfg, data)))  # tuples as saved
         check_same_run(saved, current, _SAME_RUN)
     steps_per_epoch = len(train) // cfg.batch_size
     return Run(cfg, rank, world, device, precision, model_config, tokenizer, train, evals, data, demo,
                steps_per_epoch, cfg.max_steps or cfg.epochs * steps_per_epoch, saved)
+
+
+def _identity(cfg: Config, data: dict) -> dict:
+    """What a checkpoint records of its run, for check_same_run: the config and what it implies."""
+    return {"config": asdict(cfg), "data_sha256": data["train_sha256"], "average_logps": cfg.objective.average_logps}
 
 
 def _demo_data(cfg: Config) -> DataConfig:
@@ -281,7 +287,7 @@ def evaluate(run: Run, models: Models) -> dict:
     return pair_means(sums[:-1], sums[-1].item(), run.metric_keys)
 
 
-def evaluate_and_sample(run: Run, models: Models, log: RunLog, step: int, elapsed: float) -> None:
+def evaluate_and_sample(run: Run, models: Models, log: RunLog, step: int, t0: float) -> None:
     """Evaluate on the held-out set, complete its first --num-samples prompts, log both and show one line."""
     if not len(run.eval):
         return
@@ -295,7 +301,7 @@ def evaluate_and_sample(run: Run, models: Models, log: RunLog, step: int, elapse
             scores = [score_completion(s["completion"]) for s in samples]
             m["samples/preferred"] = scores.count(1) / len(scores)
             m["samples/rejected_style"] = scores.count(-1) / len(scores)
-    log.write({"step": step, "split": "eval", **m, "elapsed_s": elapsed}, samples)
+    log.write({"step": step, "split": "eval", **m, "elapsed_s": time.perf_counter() - t0}, samples)
     say(f"eval at step {step} ({len(run.eval)} pairs): loss {m['loss']:.4f}"
         + (f" reward accuracy {m['rewards/accuracies']:.3f} margin {m['rewards/margins']:.3f}"
            if "rewards/margins" in m else "")
@@ -361,7 +367,7 @@ def train(cfg: Config, rank: int, world: int, device: torch.device) -> int:
     log = open_run_log(run, models)
     stop, bad_steps, t0 = StopRequest(), 0, time.perf_counter()  # SIGTERM / SIGINT: finish the step, save, exit
     if run.start_step == 0 and cfg.eval_before:
-        evaluate_and_sample(run, models, log, 0, 0.0)  # the baseline: where the samples and the curves start
+        evaluate_and_sample(run, models, log, 0, t0)  # the baseline: where the samples and the curves start
     for step in range(run.start_step, run.total_steps):
         lr = get_lr(step, cfg.lr, cfg.warmup_steps, run.total_steps)
         for group in optimizer.param_groups:
@@ -383,7 +389,7 @@ def train(cfg: Config, rank: int, world: int, device: torch.device) -> int:
                 f"{step + 2 - bad_steps} had a non-finite loss or gradient norm")
             return 1
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < run.total_steps:
-            evaluate_and_sample(run, models, log, step + 1, time.perf_counter() - t0)
+            evaluate_and_sample(run, models, log, step + 1, t0)
         stopping = peaks[1].item() > 0
         if stopping or (cfg.checkpoints.save_every and (step + 1) % cfg.checkpoints.save_every == 0):
             path = save(run, models.policy, optimizer, step + 1)
@@ -391,7 +397,7 @@ def train(cfg: Config, rank: int, world: int, device: torch.device) -> int:
             say(f"stopped by a signal after step {step + 1}: saved {path}; continue with --resume latest")
             return 128 + (stop.signum or signal.SIGTERM)
     stop.restore()
-    evaluate_and_sample(run, models, log, run.total_steps, time.perf_counter() - t0)
+    evaluate_and_sample(run, models, log, run.total_steps, t0)
     export_final(run, models.policy, log)
     return 0
 
@@ -450,7 +456,7 @@ def train_row(run: Run, models: Models, step: int, sums, peaks, grad_norm, skipp
 def save(run: Run, policy, optimizer, step: int) -> str:
     """A sharded checkpoint of `step`, with what a bit-exact resume needs beside the weights."""
     cfg = run.cfg
-    extra = {"step": step, "config": asdict(cfg), "data_sha256": run.data["train_sha256"],
+    extra = {"step": step, **_identity(cfg, run.data),
              "data_position": {"epoch": step // run.steps_per_epoch,
                                "pairs_consumed": step % run.steps_per_epoch * cfg.batch_size},
              "schedule": {"lr": cfg.lr, "warmup_steps": cfg.warmup_steps, "total_steps": run.total_steps},
