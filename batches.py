@@ -35,17 +35,18 @@ def collate_pairs(pairs: list[dict[str, list[int]]], pad_id: int) -> dict[str, t
     rows = [(pair["prompt"], pair[key]) for key in ("chosen", "rejected") for pair in pairs]
     start = max(len(prompt) for prompt, _ in rows)
     width = start + max(len(response) for _, response in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    host = {"dtype": torch.long, "device": "cpu"}  # built on the host; micro_batches moves them (to_device)
+    input_ids = torch.full((len(rows), width), pad_id, **host)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, **host)
+    attention_mask = torch.zeros((len(rows), width), **host)
     for i, (prompt, response) in enumerate(rows):
         first, end = start - len(prompt), start + len(response)
-        input_ids[i, first:end] = torch.tensor(prompt + response)
-        labels[i, start:end] = torch.tensor(response)
+        input_ids[i, first:end] = torch.tensor(prompt + response, **host)
+        labels[i, start:end] = torch.tensor(response, **host)
         attention_mask[i, first:end] = 1
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-            "labels": labels, "response_lengths": torch.tensor([len(r) for _, r in rows]), "response_start": start}
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "labels": labels,
+            "response_lengths": torch.tensor([len(r) for _, r in rows], **host), "response_start": start}
 
 
 def pair_lengths(pair_lens: torch.Tensor) -> list[tuple[int, int]]:
@@ -104,7 +105,13 @@ def eval_batches(pairs, micro_batch_size: int, rank: int, world_size: int, pad_i
 
 
 def _to(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return {k: to_device(v, device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU through pinned memory and an asynchronous copy, so the host goes on
+    queueing work instead of waiting for a pageable copy in every micro-batch."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def build_eval_batches(n_pairs: int, micro_batch_size: int, rank: int, world_size: int) -> list[list[int]]:

@@ -201,7 +201,8 @@ def gather_full_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -
     return state
 
 
-def save_pretrained(model: nn.Module, folder: str, dtype: torch.dtype, tokenizer=None, extra: dict | None = None) -> None:
+def save_pretrained(model: nn.Module, folder: str, dtype: torch.dtype, tokenizer=None,
+                    extra: dict | None = None) -> None:
     """A sharded Hugging Face model as a save_pretrained folder: weights gathered in `dtype` (the same tensor
     names as the model's own save_pretrained), its config recording that dtype, the tokenizer, and each
     {file name: JSON-able} of `extra`. A collective; rank 0 writes."""

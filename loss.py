@@ -171,9 +171,9 @@ def preference_loss(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair preference losses and implicit rewards.
 
-    All log-prob arguments are (B,) (summed, or averaged for simpo, dpo_norm and ipo by default). The reference ones may be
-    None for a reference-free loss (simpo, sft), and are then taken as 0. With c = pi_c - ref_c, r = pi_r - ref_r,
-    h = c - r, z = beta h, eps = label_smoothing and s = sigmoid:
+    All log-prob arguments are (B,) (summed, or averaged for simpo, dpo_norm and ipo by default). The reference
+    ones may be None for a reference-free loss (simpo, sft), and are then taken as 0. With c = pi_c - ref_c,
+    r = pi_r - ref_r, h = c - r, z = beta h, eps = label_smoothing and s = sigmoid:
 
         dpo       -(1 - eps) log s(z) - eps log s(-z)                      DPO Eq. 7; cDPO when eps > 0
         ipo       (h - 1 / (2 beta))^2                                     IPO Eq. 17 (on mean log-probs by default)

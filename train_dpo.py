@@ -22,10 +22,11 @@ import torch.distributed as dist
 import transformers
 import tyro
 
-from batches import build_batches, eval_batches, micro_batches, pair_lengths, rank_share
+from batches import build_batches, eval_batches, micro_batches, pair_lengths, rank_share, to_device
 from checkpoint import (CheckpointConfig, StopRequest, check_same_run, find_checkpoint, load_checkpoint,
                         read_trainer_state, save_checkpoint)
-from data import DataConfig, PairTokens, key_digest, load_tokenizer, load_tokens, tokenize_to_cache, write_atomic, write_jsonl
+from data import (DataConfig, PairTokens, key_digest, load_tokenizer, load_tokens, tokenize_to_cache, write_atomic,
+                  write_jsonl)
 from demo import demo_pairs, score_completion
 from fsdp_setup import (FSDPConfig, apply_ac, apply_fsdp, inference, init_distributed, load_from_rank0, on_rank0,
                         save_pretrained)
@@ -271,7 +272,7 @@ def train_step(run: Run, models: Models, batch: list[int]) -> torch.Tensor:
 
 def _ref_rows(table: torch.Tensor | None, idx: list[int]) -> torch.Tensor | None:
     """(2B,) [chosen; rejected] reference log-probs of pairs `idx` from a precomputed table, or None."""
-    return None if table is None else table[idx].T.reshape(-1)
+    return None if table is None else table[to_device(torch.tensor(idx), table.device)].T.reshape(-1)
 
 
 def evaluate(run: Run, models: Models) -> dict:
