@@ -16,65 +16,67 @@ import torch
 
 IGNORE_INDEX = -100  # labels not scored: Hugging Face's convention, and loss.py's (one line, kept copyable)
 
-# 256 batches per mega-batch in 16 strips: 0.92 of tokens are real on pairs with prompts of 10-400 tokens and
-# responses of 20-400 (chosen and rejected within 25% of each other), against 0.53 without grouping.
-_MEGA, _STRIP = 256, 16
+# 256 batches per mega-batch: 0.97 of tokens are real on pairs with prompts of 10-400 tokens and responses
+# of 20-400 (chosen and rejected within 25% of each other), against 0.59 without grouping.
+_MEGA = 256
 
 
 def collate_pairs(pairs: list[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Tensor | int]:
-    """Stack B pairs as 2B rows, all chosen then all rejected, with every response starting at one column.
+    """Stack B pairs as 2B rows, all chosen then all rejected, each row prompt + response from column 0.
 
-    Prompts are left-padded to the longest prompt P, responses right-padded to the longest response, so
-    the rows are (2B, T) with T = P + longest response, and only logits from column P - 1 on are ever
-    scored: a model can skip the output layer for the prompt columns (Hugging Face's `logits_to_keep`).
-    Returns input_ids, attention_mask, position_ids (counting real tokens only, so left padding does not
-    shift positions) and labels, each (2B, T) int64; response_lengths (2B,), the tokens scored per row; and
-    `response_start` = P (an int). labels are IGNORE_INDEX on prompt and padding positions, so only response
-    tokens (and their EOS) are scored.
+    Rows are right-padded to the longest, (2B, T). Padding only ever follows a row's real tokens, which a causal
+    model never lets attend to it: the model needs no attention mask (the fused causal kernels run), and padding
+    positions are never scored. Returns, on the host:
+      input_ids, attention_mask (1 on real tokens), position_ids, labels: (2B, T) int64; labels are the response
+        ids (with EOS) and IGNORE_INDEX on prompt and padding positions;
+      response_lengths: (2B,) tokens scored per row;
+      score_index, score_targets, score_rows: (N,) for the N scored tokens: the flat position in (2B * T) whose
+        hidden state predicts the token (one before it), the token, and its row; `chosen_scored`: how many of
+        the N belong to chosen rows (an int; they come first).
     """
     rows = [(pair["prompt"], pair[key]) for key in ("chosen", "rejected") for pair in pairs]
-    start = max(len(prompt) for prompt, _ in rows)
-    width = start + max(len(response) for _, response in rows)
+    width = max(len(prompt) + len(response) for prompt, response in rows)
     host = {"dtype": torch.long, "device": "cpu"}  # built on the host; micro_batches moves them (to_device)
     input_ids = torch.full((len(rows), width), pad_id, **host)
     labels = torch.full((len(rows), width), IGNORE_INDEX, **host)
     attention_mask = torch.zeros((len(rows), width), **host)
+    index, targets, row_of = [], [], []
     for i, (prompt, response) in enumerate(rows):
-        first, end = start - len(prompt), start + len(response)
-        input_ids[i, first:end] = torch.tensor(prompt + response, **host)
+        start, end = len(prompt), len(prompt) + len(response)
+        input_ids[i, :end] = torch.tensor(prompt + response, **host)
         labels[i, start:end] = torch.tensor(response, **host)
-        attention_mask[i, first:end] = 1
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "labels": labels,
-            "response_lengths": torch.tensor([len(r) for _, r in rows], **host), "response_start": start}
+        attention_mask[i, :end] = 1
+        index += range(i * width + start - 1, i * width + end - 1)
+        targets += response
+        row_of += [i] * len(response)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
+            "position_ids": torch.arange(width, **host).expand(len(rows), width),
+            "response_lengths": torch.tensor([len(r) for _, r in rows], **host),
+            "score_index": torch.tensor(index, **host), "score_targets": torch.tensor(targets, **host),
+            "score_rows": torch.tensor(row_of, **host),
+            "chosen_scored": sum(len(response) for _, response in rows[:len(pairs)])}
 
 
-def pair_lengths(pair_lens: torch.Tensor) -> list[tuple[int, int]]:
-    """(prompt, longer response) token counts per pair, from the (N, 3) [prompt, chosen, rejected] lengths:
-    what collate_pairs pads, separately."""
-    return list(zip(pair_lens[:, 0].tolist(), pair_lens[:, 1:].amax(1).tolist()))
+def pair_lengths(pair_lens: torch.Tensor) -> list[int]:
+    """Each pair's row length once collated (prompt + longer response), from the (N, 3) [prompt, chosen, rejected]
+    lengths: what collate_pairs pads."""
+    return (pair_lens[:, 0] + pair_lens[:, 1:].amax(1)).tolist()
 
 
 def build_batches(n_pairs: int, batch_size: int, seed: int, epoch: int,
-                  lengths: list[tuple[int, int]] | None = None) -> list[list[int]]:
+                  lengths: list[int] | None = None) -> list[list[int]]:
     """The pair indices of each optimizer step of one epoch, over all ranks (split them with rank_share).
 
     The epoch's order is a shuffle seeded by (seed, epoch). With `lengths` (pair_lengths), the order is
-    grouped by length: each mega-batch of _MEGA global batches is sorted by prompt length, cut into strips of
-    _STRIP batches, and each strip sorted by response length; cut into global batches, whose order is
-    shuffled again. A batch then holds pairs with similar prompts and similar responses (collate_pairs pads
-    the two separately), while batches still come in random order. A last partial batch is dropped, so every
-    step sees exactly batch_size pairs.
+    grouped by length: each mega-batch of _MEGA global batches is sorted by length and cut into global batches,
+    whose order is shuffled again. A batch then holds pairs of similar length, while batches still come in
+    random order. A last partial batch is dropped, so every step sees exactly batch_size pairs.
     """
     generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
     order = torch.randperm(n_pairs, generator=generator).tolist()
     if lengths is not None:
-        mega, strip, grouped = batch_size * _MEGA, batch_size * _STRIP, []
-        for s in range(0, n_pairs, mega):
-            by_prompt = sorted(order[s:s + mega], key=lambda i: lengths[i][0])
-            for t in range(0, len(by_prompt), strip):
-                grouped += sorted(by_prompt[t:t + strip], key=lambda i: lengths[i][1])
-        order = grouped
+        mega = batch_size * _MEGA
+        order = [i for s in range(0, n_pairs, mega) for i in sorted(order[s:s + mega], key=lambda i: lengths[i])]
     batches = [order[s:s + batch_size] for s in range(0, n_pairs - batch_size + 1, batch_size)]
     if lengths is not None:
         batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
@@ -98,9 +100,11 @@ def micro_batches(pairs, idx: list[int], micro_batch_size: int, pad_id: int, dev
 
 def eval_batches(pairs, micro_batch_size: int, rank: int, world_size: int, pad_id: int, device: torch.device):
     """(indices, tensors) covering every pair exactly once over all ranks, the same number of batches on each
-    (build_eval_batches). An empty-index batch is a dummy (pair 0) that keeps every rank's FSDP collectives in
-    step: give it zero weight."""
-    for idx in build_eval_batches(len(pairs), micro_batch_size, rank, world_size):
+    (build_eval_batches), shortest pairs first so each batch pads little. `pairs` has .lengths (data.PairTokens).
+    An empty-index batch is a dummy (pair 0) that keeps every rank's FSDP collectives in step: give it zero
+    weight."""
+    lengths = pair_lengths(pairs.lengths)
+    for idx in build_eval_batches(len(pairs), micro_batch_size, rank, world_size, lengths):
         yield idx, _to(collate_pairs([pairs[i] for i in idx or [0]], pad_id), device)
 
 
@@ -114,10 +118,13 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
-def build_eval_batches(n_pairs: int, micro_batch_size: int, rank: int, world_size: int) -> list[list[int]]:
+def build_eval_batches(n_pairs: int, micro_batch_size: int, rank: int, world_size: int,
+                       lengths: list[int] | None = None) -> list[list[int]]:
     """This rank's pair indices per forward for a pass over every pair exactly once (evaluation, reference
-    precompute): disjoint strided slices. Every rank gets the same number of batches; a rank that runs out
-    gets empty ones, for which the caller runs a zero-weight dummy so collectives stay in step."""
-    mine = list(range(rank, n_pairs, world_size))
+    precompute): disjoint strided slices of the pairs, sorted by `lengths` when given. Every rank gets the same
+    number of batches; a rank that runs out gets empty ones, for which the caller runs a zero-weight dummy so
+    collectives stay in step."""
+    order = sorted(range(n_pairs), key=lambda i: lengths[i]) if lengths is not None else range(n_pairs)
+    mine = list(order[rank::world_size])
     n_batches = -(-(-(-n_pairs // world_size)) // micro_batch_size)  # ceil(ceil(n / world) / micro)
     return [mine[b * micro_batch_size:(b + 1) * micro_batch_size] for b in range(n_batches)]

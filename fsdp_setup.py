@@ -3,11 +3,9 @@
 Copyable on its own: imports only the standard library and torch.
 
     rank, world, device = init_distributed()        # torchrun's env, or a world of one; nccl + gloo on CUDA
-    with torch.device("meta"):
-        model = build_model()                        # no memory on any rank
-    apply_ac(model)                                  # optional; always before apply_fsdp
-    apply_fsdp(model, mp_policy, device)             # each transformer block, then the root
-    load_from_rank0(model, full_model_or_None, device)   # only rank 0 ever holds the full weights
+    model = build_sharded(make_model, full_model_or_None, mp_policy, device, FSDPConfig())
+    # = on the meta device: apply_ac (optional), compile (optional), apply_fsdp (each block, then the root),
+    #   then load_from_rank0: only rank 0 ever holds the full weights
     with inference(model): model(**batch)           # eval, no grad; then train mode back and resharded
     path = on_rank0(lambda: build_cache())           # rank 0 works, every rank gets its result (or error)
     state = gather_full_state_dict(model)            # full weights on rank 0 (ties kept), {} elsewhere
@@ -39,6 +37,9 @@ class FSDPConfig:
     reshard_after_forward: bool = True
     """Free each block's gathered parameters after forward and gather again in backward (ZeRO-3); off is ZeRO-2.
     A frozen reference always reshards: it has no backward that would."""
+    compile: bool = False
+    """torch.compile each transformer block (dynamic shapes: micro-batches vary in length). The first steps are
+    slower while it compiles. Order per block: activation checkpointing, then compile, then FSDP."""
     unsharded_grad_accumulation: bool = False
     """Accumulate micro-batch gradients unsharded and reduce-scatter once per step: fewer collectives, but every
     rank holds a full gradient in the reduce dtype (float32: 4 bytes per parameter) until the last micro-batch.
@@ -62,7 +63,14 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800) -> tuple[int, 
     device = torch.device("cuda", _local_gpu()) if cuda else torch.device("cpu")
     backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
     if cuda:
+        # Before the first allocation: segments that grow in place, instead of fragmenting under the changing
+        # shapes of padded micro-batches.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         torch.cuda.set_device(device)
+        # cuDNN attention (SDPA's first choice on Hopper) builds a plan for every new (batch, length), ~15 ms of
+        # host time each, and each padded micro-batch brings a new length: in issue 14's profile of the 1B bench
+        # (H100), turning it off took this trainer from 16.8 to 25.9 pairs/s. Flash attention needs no plan.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if "RANK" in os.environ:
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device if cuda else None)
     else:
@@ -130,6 +138,28 @@ def apply_ac(model: nn.Module) -> None:
     the recomputation in backward re-gathers each block's parameters through FSDP's hooks."""
     for block in _blocks(model):
         checkpoint(block)
+
+
+def build_sharded(make_model, full_model: nn.Module | None, mp_policy: MixedPrecisionPolicy, device: torch.device,
+                  config: FSDPConfig, frozen: bool = False) -> nn.Module:
+    """make_model() built on the meta device (no memory), each block checkpointed (config, not when frozen) and
+    compiled (config), sharded, then filled from rank 0's `full_model` (None on other ranks). frozen=True: a
+    reference, its weights stored in mp_policy's compute dtype."""
+    with torch.device("meta"):
+        model = make_model()
+    if frozen and mp_policy.param_dtype is not None:  # weights that never change need no float32 master copy:
+        for param in model.parameters():              # kept in the compute dtype, gathered without a cast
+            param.data = param.data.to(mp_policy.param_dtype)
+    if config.activation_checkpointing and not frozen:
+        apply_ac(model)
+    if config.compile:
+        # After checkpointing, so the recomputation is compiled too; before FSDP, whose hooks then stay outside
+        # the compiled code (dynamo skips FSDP hooks). Module.compile keeps names and state-dict keys.
+        for block in _blocks(model):
+            block.compile(dynamic=True)
+    apply_fsdp(model, mp_policy, device, frozen=frozen, reshard_after_forward=config.reshard_after_forward)
+    load_from_rank0(model, full_model, device)
+    return model
 
 
 def apply_fsdp(model: nn.Module, mp_policy: MixedPrecisionPolicy, device: torch.device, frozen: bool = False,

@@ -28,8 +28,6 @@ References
 - RPO (DPO + NLL): Pang et al. 2024, "Iterative Reasoning Preference Optimization", https://arxiv.org/abs/2404.19733.
 """
 
-import functools
-import inspect
 import math
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -41,6 +39,10 @@ LossType = Literal["dpo", "ipo", "hinge", "robust", "simpo", "exo_pair", "nca_pa
                    "apo_zero", "apo_down", "discopop", "aot", "aot_pair", "dpo_norm", "sft"]
 IGNORE_INDEX = -100
 
+# The fused output layer (_HeadLogps) runs on GPUs, where memory is what runs out (4k-token pairs); on a CPU its
+# recomputation in backward costs more than the memory it saves (a 60M model's median step: 3.39 s fused, 3.11 s
+# not, 2-core CPU, fp32).
+FUSED_HEAD_ON_CPU = False
 _REFERENCE_FREE = {"simpo", "sft"}  # losses that never look at a reference model
 _AVERAGED = {"simpo", "dpo_norm"}  # losses defined on length-averaged log-probs
 
@@ -119,6 +121,14 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, average: bool = F
     return total / mask.sum(-1).clamp(min=1) if average else total
 
 
+def _chunk_rows(vocab: int, device: torch.device, matmul: bool = False) -> int:
+    # Rows per float32 (rows, V) chunk. A log-softmax alone on a CPU: 4 MiB stays in its caches. Chunks that also
+    # run the output layer's matmuls, or any on a GPU: 256 MiB, as small matmuls are slow (on a 2-core CPU, a
+    # 60M model's log-probs took 1.45x as long in 32-row chunks as in one), and at V = 128k, 523 rows still
+    # fill a GPU.
+    return max(1, (2**20 if device.type == "cpu" and not matmul else 2**26) // vocab)
+
+
 class _TokenLogps(torch.autograd.Function):
     """log softmax(logits[rows, cols])[targets] in float32, chunk by chunk.
 
@@ -128,14 +138,8 @@ class _TokenLogps(torch.autograd.Function):
     """
 
     @staticmethod
-    def chunk_rows(logits: torch.Tensor) -> int:
-        # Float32 elements per chunk: 4 MiB stays in a CPU's caches and bounds host memory; a GPU wants fewer,
-        # larger kernels, and 64 MiB is nothing beside its logits.
-        return max(1, (2**20 if logits.device.type == "cpu" else 2**24) // logits.shape[-1])
-
-    @staticmethod
     def forward(ctx, logits, rows, cols, targets):
-        chunk = _TokenLogps.chunk_rows(logits)
+        chunk = _chunk_rows(logits.shape[-1], logits.device)
         lse = torch.empty(len(rows), dtype=torch.float32, device=logits.device)
         picked = torch.empty_like(lse)
         for i in range(0, len(rows), chunk):
@@ -148,7 +152,7 @@ class _TokenLogps(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         logits, rows, cols, targets, lse = ctx.saved_tensors
-        chunk = _TokenLogps.chunk_rows(logits)
+        chunk = _chunk_rows(logits.shape[-1], logits.device)
         grad_logits = torch.zeros_like(logits)
         for i in range(0, len(rows), chunk):
             r, c, g = rows[i:i + chunk], cols[i:i + chunk], grad[i:i + chunk, None]
@@ -156,6 +160,39 @@ class _TokenLogps(torch.autograd.Function):
             x.scatter_add_(-1, targets[i:i + chunk, None], g)
             grad_logits[r, c] = x.to(logits.dtype)
         return grad_logits, None, None, None
+
+
+class _HeadLogps(torch.autograd.Function):
+    """log softmax(hidden @ weight.T)[targets] in float32 without ever holding the (N, V) logits: the output
+    layer and the log-softmax run chunk by chunk. Forward keeps only the (N,) log-sum-exp; backward recomputes
+    each chunk's logits and adds its share to the gradients of hidden and weight (accumulated in float32)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets):  # (N, H), (V, H), (N,)
+        chunk = _chunk_rows(len(weight), hidden.device, matmul=True)
+        lse = torch.empty(len(hidden), dtype=torch.float32, device=hidden.device)
+        picked = torch.empty_like(lse)
+        for i in range(0, len(hidden), chunk):
+            x = (hidden[i:i + chunk] @ weight.T).float()  # (chunk, V)
+            lse[i:i + chunk] = x.logsumexp(-1)
+            picked[i:i + chunk] = x.gather(-1, targets[i:i + chunk, None]).squeeze(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        chunk = _chunk_rows(len(weight), hidden.device, matmul=True)
+        grad_hidden, grad_weight = torch.empty_like(hidden), None
+        for i in range(0, len(hidden), chunk):
+            h, g = hidden[i:i + chunk], grad[i:i + chunk, None]
+            x = (h @ weight.T).float().sub_(lse[i:i + chunk, None]).exp_().mul_(-g)  # -g * softmax
+            x = x.scatter_add_(-1, targets[i:i + chunk, None], g).to(hidden.dtype)  # d/dlogits, (chunk, V)
+            grad_hidden[i:i + chunk] = x @ weight
+            if ctx.needs_input_grad[1]:
+                part = x.T @ h  # (V, H)
+                grad_weight = part.float() if grad_weight is None else grad_weight.add_(part)
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None
 
 
 def preference_loss(
@@ -261,15 +298,17 @@ def chosen_nll(chosen_logps: torch.Tensor, tokens_per_pair: float) -> torch.Tens
 def forward_pairs(policy, reference, batch: dict, objective: LossConfig, ref_logps: torch.Tensor | None = None,
                   tokens_per_pair: float | None = None) -> dict:
     """Per-pair losses, rewards and policy log-probs of Hugging Face causal LMs on a batch of B pairs: (2B, T)
-    rows, [chosen; rejected], as batches.collate_pairs makes them (input_ids, attention_mask, position_ids,
-    labels, response_lengths, response_start). ref_logps (2B,) summed, when given (--ref precompute), replaces
-    running `reference`. tokens_per_pair: the whole batch's mean chosen tokens per pair, for the NLL of sft and
-    --sft-weight (see chosen_nll). Also "tokens": the non-padding and all token slots the policy ran on."""
+    rows, [chosen; rejected], as batches.collate_pairs makes them (input_ids, attention_mask, response_lengths,
+    score_index, score_targets, score_rows, chosen_scored). ref_logps (2B,) summed, when given (--ref
+    precompute), replaces running `reference`. tokens_per_pair: the whole batch's mean chosen tokens per pair,
+    for the NLL of sft and --sft-weight (see chosen_nll). Also "tokens": the non-padding and all token slots
+    the policy ran on."""
     if ref_logps is None and reference is not None:  # first, so its logits are freed before the policy's exist
         with torch.no_grad():
             ref_logps = model_logps(reference, batch)
-    n = len(batch["input_ids"]) // 2
-    rows = batch if objective.pairwise else {k: v[:n] if torch.is_tensor(v) else v for k, v in batch.items()}
+    n, k = len(batch["input_ids"]) // 2, batch["chosen_scored"]
+    rows = batch if objective.pairwise else {key: v[:k] if key.startswith("score_") else v[:n] if torch.is_tensor(v)
+                                             else v for key, v in batch.items()}  # the chosen rows, which come first
     summed = model_logps(policy, rows)  # (2B,); SFT: (B,), as running the rejected rows would double the cost
     if not objective.pairwise:
         summed = torch.cat([summed, torch.zeros_like(summed)])  # rejected: not computed; no metric shows them
@@ -289,18 +328,35 @@ def forward_pairs(policy, reference, batch: dict, objective: LossConfig, ref_log
 
 
 def model_logps(model, batch: dict) -> torch.Tensor:
-    """(rows,) float32 summed log-probs of a forward_pairs batch's responses. As every response starts at column
-    batch["response_start"], only the columns from the one before it go through the output layer."""
-    start = max(batch["response_start"] - 1, 0)  # the last prompt column scores the first response token
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
-    labels = batch["labels"]
-    if _takes_logits_to_keep(type(model)):
-        inputs["logits_to_keep"] = labels.shape[1] - start
-        labels = labels[:, start:]  # (rows, T - start), aligned with the kept logits
-    logits = model(**inputs, use_cache=False).logits  # (rows, T - start, V) in the compute dtype
-    return sequence_logps(logits, labels)
+    """(rows,) float32 summed log-probs of a forward_pairs batch's responses, from a Hugging Face causal LM.
 
+    Only the scored positions reach the output layer: hooks on it gather their hidden states (batch
+    "score_index"), and for a plain bias-free linear head compute the log-probs chunk by chunk (_HeadLogps), so
+    no (tokens, vocab) logits or gradient exist at all. A head with extras (bias, logit scaling or soft-capping)
+    runs itself on the gathered states. The rows are right-padded, so no attention mask is passed: the model's
+    causal masking already keeps padding out of every real token's view."""
+    head, config, state = model.get_output_embeddings(), model.config, {}
+    fused = (FUSED_HEAD_ON_CPU or head.weight.device.type != "cpu") and isinstance(head, torch.nn.Linear) and (
+        head.bias is None and not any(getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale",
+                                                                           "logits_scaling")))
 
-@functools.cache
-def _takes_logits_to_keep(model_class) -> bool:
-    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+    def gather(module, args):  # (rows, T, H) -> (1, N, H); fused: the head itself gets (1, 0, H)
+        state["hidden"] = args[0].flatten(0, 1)[batch["score_index"]]
+        return (state["hidden"][:0 if fused else None][None], *args[1:])
+
+    def fuse(module, args, out):  # (1, N) token log-probs in place of the (1, 0, V) logits
+        # Not a view: FSDP warns of a root output that is one, as an in-place op on it would skip its hooks.
+        return _HeadLogps.apply(state["hidden"], module.weight, batch["score_targets"])[None].clone()
+    hooks = [head.register_forward_pre_hook(gather)] + ([head.register_forward_hook(fuse)] if fused else [])
+    try:
+        out = model(input_ids=batch["input_ids"], use_cache=False).logits[0]  # (N,) or (N, V)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if "hidden" not in state:
+        raise ValueError(f"{type(model).__name__} does not call its output layer as a module; log-probs need it")
+    if not fused:
+        targets = batch["score_targets"]
+        out = _TokenLogps.apply(out[None], torch.zeros_like(targets), torch.arange(len(targets), device=out.device),
+                                targets)
+    return torch.zeros(len(batch["input_ids"]), device=out.device).index_add_(0, batch["score_rows"], out)

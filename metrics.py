@@ -42,12 +42,34 @@ def pair_means(sums: torch.Tensor, count: float, keys: tuple[str, ...] = PAIR_ME
 
 def step_metrics(sums: torch.Tensor, peaks: torch.Tensor, seconds: float, batch_size: int,
                  keys: tuple[str, ...] = PAIR_METRICS) -> dict:
-    """A train row from a step's reduced sums [PAIR_METRICS..., non-padding tokens, all tokens] and maxima
-    [peak memory, ...]: pair means (those in `keys`), throughput, padding efficiency, the fullest rank's memory."""
-    tokens = sums[-2].item()
-    return {**pair_means(sums[:-2], batch_size, keys), "tokens_per_s": tokens / seconds,
-            "pairs_per_s": batch_size / seconds, "padding_efficiency": tokens / sums[-1].item(),
+    """A train row from a step's reduced sums [PAIR_METRICS..., non-padding tokens, all tokens, model FLOPs] and
+    maxima [peak memory, ...]: pair means (those in `keys`), throughput, padding efficiency, FLOPs, the fullest
+    rank's memory."""
+    tokens, slots, flops = sums[-3:].tolist()
+    return {**pair_means(sums[:-3], batch_size, keys), "tokens_per_s": tokens / seconds,
+            "pairs_per_s": batch_size / seconds, "padding_efficiency": tokens / slots, "flops": flops,
             "peak_mem_gb": peaks[0].item()}
+
+
+def flop_coefficients(model) -> tuple[float, float, float]:
+    """(a, b, c) for forward_flops, from a Hugging Face causal LM (sharded or not): a = 2 per weight of every
+    matmul in the blocks (embeddings are lookups; the output layer is c), b = attention's two (T x T) matmuls
+    per layer, c = 2 per output-layer weight. Counts every expert of a mixture of experts."""
+    head = model.get_output_embeddings().weight
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)} | {id(head)}
+    linear = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in lookups)
+    c = model.config
+    width = c.num_attention_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    return 2.0 * linear, 4.0 * c.num_hidden_layers * width, 2.0 * head.numel()
+
+
+def forward_flops(coefficients: tuple[float, float, float], rows: int, length: int, scored: int) -> float:
+    """Model FLOPs of one forward over (rows, length) token slots whose output layer runs on `scored` positions.
+    Attention is counted whole, as PyTorch's FlopCounterMode counts it (a causal kernel skips about half of
+    it: at 1k tokens, 3% of a 1B model's FLOPs). A backward is twice its forward; recomputation (activation
+    checkpointing, the fused head's logits) is not model FLOPs and is not counted."""
+    a, b, c = coefficients
+    return rows * length * (a + b * length) + c * scored
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -73,10 +95,11 @@ _PEAK_FLOPS = {"H100 PCIe": (756e12, 51e12), "H100": (989e12, 67e12), "H200": (9
                "A10G": (125e12, 31.2e12), "L4": (121e12, 30.3e12)}
 
 
-def mfu(flops_per_s: float, world: int, device: torch.device, precision: str) -> dict:
-    """{"mfu": model FLOP/s over all ranks' dense peak} on a GPU of known peak (_PEAK_FLOPS), else {}."""
+def mfu(flops: float, seconds: float, world: int, device: torch.device, precision: str) -> dict:
+    """{"mfu": a step's model FLOPs over `seconds` and all ranks' dense peak} on a GPU of known peak
+    (_PEAK_FLOPS), else {}."""
     peak = device_peak_flops(torch.cuda.get_device_name(device), precision) if device.type == "cuda" else None
-    return {"mfu": flops_per_s / (world * peak)} if peak else {}
+    return {"mfu": flops / seconds / (world * peak)} if peak else {}
 
 
 def device_peak_flops(name: str, precision: str) -> float | None:

@@ -24,17 +24,18 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+import transformers
 
 import train_dpo
 import data
 import fsdp_setup
+import metrics
 import precision
 from batches import build_batches, build_eval_batches, collate_pairs, pair_lengths, rank_share
 from data import DataConfig, DataError, PairTokens, load_tokens, read_rows, tokenize_pairs, tokenize_to_cache, write_jsonl
 from demo import demo_pairs, score_completion
 from fsdp_setup import apply_ac, find_block_class, gather_full_state_dict
-from loss import preference_loss, sequence_logps
+from loss import model_logps, preference_loss, sequence_logps
 from metrics import PAIR_METRICS, device_peak_flops
 from precision import PrecisionConfig, clip_and_step, resolve_precision
 
@@ -250,57 +251,74 @@ def test_sequence_logps_matches_hugging_face_loss():
         assert total.item() == pytest.approx(-model(input_ids=ids, labels=labels).loss.item(), rel=1e-5)
 
 
-def test_batch_layout_aligns_responses_and_masks_prompt_and_padding():
+def test_batch_layout_right_pads_rows_and_indexes_exactly_the_response_tokens():
     _, tok = tiny(seed=0)
     pairs = tokenize([{"prompt": "Rate it:", "chosen": " fine", "rejected": " no"},
-                            {"prompt": "Q", "chosen": " a much longer answer", "rejected": " b"}], tok, 64, 32)
+                      {"prompt": "Q", "chosen": " a much longer answer", "rejected": " b"}], tok, 64, 32)
     batch = collate_pairs(pairs, pad_id=tok.pad_token_id)
-    start = 8  # the longest prompt, "Rate it:"
-    assert batch["response_start"] == start
-    assert batch["input_ids"].shape == (4, start + 21 + 1)  # + the longest response and its EOS, not max_length
     rows = [(p, p["chosen"]) for p in pairs] + [(p, p["rejected"]) for p in pairs]
+    width = max(len(p["prompt"]) + len(r) for p, r in rows)
+    assert batch["input_ids"].shape == (4, width) == (4, 1 + 21 + 1)  # the longest row, not max_length
+    flat_ids = batch["input_ids"].flatten()
     for i, (p, resp) in enumerate(rows):
-        first, end = start - len(p["prompt"]), start + len(resp)
-        assert batch["input_ids"][i, first:end].tolist() == p["prompt"] + resp and resp[-1] == tok.eos_token_id
-        assert batch["attention_mask"][i].tolist() == [0] * first + [1] * (end - first) + [0] * (30 - end)
-        assert batch["position_ids"][i, first:end].tolist() == list(range(end - first))
-        # Labels are exactly the response ids (with EOS), -100 on the prompt and the padding either side.
-        assert batch["labels"][i].tolist() == [-100] * start + resp + [-100] * (30 - end)
+        end = len(p["prompt"]) + len(resp)
+        assert batch["input_ids"][i, :end].tolist() == p["prompt"] + resp and resp[-1] == tok.eos_token_id
+        assert batch["attention_mask"][i].tolist() == [1] * end + [0] * (width - end)  # padding only after
+        assert batch["labels"][i].tolist() == [-100] * len(p["prompt"]) + resp + [-100] * (width - end)
+        # The scored positions of row i: each is the one before its target token, in this row.
+        mine = batch["score_rows"] == i
+        assert batch["score_targets"][mine].tolist() == resp
+        assert (flat_ids[batch["score_index"][mine] + 1] == batch["score_targets"][mine]).all()
+        assert (batch["score_index"][mine] // width == i).all()
+    assert batch["chosen_scored"] == sum(len(p["chosen"]) for p in pairs)
+    assert (batch["score_rows"][:batch["chosen_scored"]] < 2).all()  # chosen rows' tokens come first
+    # sequence_logps on the labels scores the same tokens: perturbing every other position changes nothing.
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(4, batch["labels"].shape[1], len(tok), generator=g)
+    logits = torch.randn(4, width, len(tok), generator=g)
     base = sequence_logps(logits, batch["labels"])
-    # Logits at t score the label at t+1: perturb every position whose next label is ignored.
-    ignored = F.pad(batch["labels"][:, 1:] == -100, (0, 1), value=True)
-    noisy = torch.where(ignored[..., None], torch.randn(logits.shape, generator=g) * 50, logits)
+    scored = torch.zeros(4 * width, dtype=torch.bool)
+    scored[batch["score_index"]] = True
+    noisy = torch.where(scored.view(4, width, 1), logits, torch.randn(logits.shape, generator=g) * 50)
     torch.testing.assert_close(sequence_logps(noisy, batch["labels"]), base, rtol=0, atol=0)
-    counted = logits.clone()
-    counted[0, start - 1, 7] += 5.0  # a scored position does change the result
-    assert sequence_logps(counted, batch["labels"])[0] != base[0]
 
 
-def test_response_aligned_batch_with_logits_to_keep_equals_unpadded_rows():
+@pytest.mark.parametrize("head", ["fused", "with_bias"])
+def test_padded_batch_log_probs_equal_unpadded_rows_and_the_head_sees_only_response_tokens(head, monkeypatch):
+    import loss
     policy, tok = tiny(seed=2)
+    monkeypatch.setattr(loss, "FUSED_HEAD_ON_CPU", True)  # the GPU path, here on the CPU
+    if head == "with_bias":  # a head with extras runs itself on the gathered positions instead of _HeadLogps
+        policy.lm_head.bias = torch.nn.Parameter(torch.randn(len(tok)) * 0.1)
     texts = [{"prompt": "Review the red kettle:", "chosen": " Great. 5/5", "rejected": " The kettle is bad. 1/5"},
              {"prompt": "Hi", "chosen": " A much longer and more detailed answer here.", "rejected": " No."},
              {"prompt": "Rate the lamp please:", "chosen": "!", "rejected": " meh"}]
     pairs = tokenize(texts, tok, 128, 64)
     batch = collate_pairs(pairs, tok.pad_token_id)
-    kept = []
-    policy.lm_head.register_forward_hook(lambda module, args, out: kept.append(args[0].shape[1]))
-    with torch.no_grad():
-        out = train_dpo.forward_pairs(policy, None, batch, train_dpo.LossConfig(loss="simpo"))
-        assert kept == [batch["input_ids"].shape[1] - batch["response_start"] + 1]  # response columns only
-        for i, p in enumerate(pairs):
-            for key in ("chosen", "rejected"):
-                ids = torch.tensor([p["prompt"] + p[key]])
-                labels = torch.tensor([[-100] * len(p["prompt"]) + p[key]])
-                alone = sequence_logps(policy(input_ids=ids).logits, labels, average=True)  # no padding at all
-                torch.testing.assert_close(out[f"{key}_logps"][i], alone[0], rtol=1e-5, atol=1e-5)
+    seen, fused = [], loss._HeadLogps.apply
+    policy.lm_head.register_forward_hook(lambda module, args, out: seen.append(tuple(args[0].shape)))
+    monkeypatch.setattr(loss._HeadLogps, "apply", staticmethod(lambda h, *a: seen.append(tuple(h.shape)) or fused(h, *a)))
+    out = train_dpo.forward_pairs(policy, None, batch, train_dpo.LossConfig(loss="simpo"))
+    scored = sum(len(p[k]) for p in pairs for k in ("chosen", "rejected"))
+    # Every scored token once, no prompt or padding position; fused, the head's own matmul gets no rows at all.
+    assert seen == ([(1, 0, 128), (scored, 128)] if head == "fused" else [(1, scored, 128)])
+    naive = []
+    for i, p in enumerate(pairs):
+        for key in ("chosen", "rejected"):
+            ids = torch.tensor([p["prompt"] + p[key]])
+            labels = torch.tensor([[-100] * len(p["prompt"]) + p[key]])
+            alone = _naive_logps(policy(input_ids=ids).logits, labels, average=True)  # no padding at all
+            torch.testing.assert_close(out[f"{key}_logps"][i], alone[0].detach(), rtol=1e-5, atol=1e-5)
+            naive.append(alone[0] * len(p[key]))
+    # The gradients of the summed log-probs, for every weight, against the naive float32 log_softmax's.
+    params = list(policy.parameters())
+    ours = torch.autograd.grad(model_logps(policy, batch).sum(), params)
+    for g, n in zip(ours, torch.autograd.grad(sum(naive), params)):
+        torch.testing.assert_close(g, n, rtol=1e-4, atol=1e-5)
 
 
 def test_chunked_logps_match_naive_across_chunk_boundaries_and_save_no_float_copy(monkeypatch):
     import loss
-    monkeypatch.setattr(loss._TokenLogps, "chunk_rows", staticmethod(lambda logits: 3))
+    monkeypatch.setattr(loss, "_chunk_rows", lambda vocab, device, matmul=False: 3)
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 9, 50, generator=g).to(torch.bfloat16)
     labels = torch.randint(0, 50, (4, 9), generator=g)
@@ -317,6 +335,54 @@ def test_chunked_logps_match_naive_across_chunk_boundaries_and_save_no_float_cop
     # Besides the logits themselves, forward keeps O(tokens) tensors, never an (N, V) float32 copy.
     extra = sum(t.numel() for t in saved if t.data_ptr() != a.data_ptr())
     assert extra < 10 * labels.numel() < a.numel()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_head_log_probs_match_float32_oracle_across_chunks_and_keep_no_logits(dtype, monkeypatch):
+    import loss
+    monkeypatch.setattr(loss, "_chunk_rows", lambda vocab, device, matmul=False: 3)  # 10 rows: 4 chunks, the last partial
+    g = torch.Generator().manual_seed(2)
+    hidden, weight = torch.randn(10, 16, generator=g), torch.randn(50, 16, generator=g) * 0.3
+    targets = torch.randint(0, 50, (10,), generator=g)
+    h, w = hidden.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_()
+    h32, w32 = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()  # the same values
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        ours = loss._HeadLogps.apply(h, w, targets)
+    oracle = (h32 @ w32.T).log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 3e-2}
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours, oracle, **tol)
+    grad = torch.randn(10, generator=g)
+    ours.backward(grad)
+    oracle.backward(grad)
+    assert h.grad.dtype == w.grad.dtype == dtype
+    torch.testing.assert_close(h.grad.float(), h32.grad, **tol)
+    torch.testing.assert_close(w.grad.float(), w32.grad, **tol)
+    # Forward keeps its inputs and the (N,) log-sum-exp: no (N, V) logits.
+    assert sum(t.numel() for t in saved if t.data_ptr() not in (h.data_ptr(), w.data_ptr())) == 2 * 10
+
+
+@pytest.mark.parametrize("loss, online", [("dpo", True), ("dpo", False), ("sft", False)])
+def test_logged_flops_match_pytorch_flop_counter(loss, online):
+    from types import SimpleNamespace
+    from torch.utils.flop_counter import FlopCounterMode
+    config, tok = train_dpo.load_model_config("tiny")
+    config._attn_implementation = "eager"  # attention as matmuls, which the counter sees (CPU SDPA it does not)
+    policy = train_dpo.load_full_model("tiny", config, 0)
+    reference = copy.deepcopy(policy).eval().requires_grad_(False) if online else None
+    batch = collate_pairs(tokenize(demo_pairs("train")[:4], tok, 128, 64), tok.pad_token_id)
+    objective = train_dpo.LossConfig(loss=loss)
+    ref_logps = None if online or loss == "sft" else torch.zeros(len(batch["input_ids"]))  # --ref precompute
+    with FlopCounterMode(display=False) as counter:
+        out = train_dpo.forward_pairs(policy, reference, batch, objective, ref_logps, tokens_per_pair=10.0)
+        out["losses"].sum().backward()
+    models = SimpleNamespace(flops=metrics.flop_coefficients(policy), reference=reference)
+    ours = train_dpo._flops(models, batch, objective.pairwise)
+    # Equal on the CPU path; on a GPU the counter would also see the fused head recompute its logits in
+    # backward, which model FLOPs leave out.
+    assert ours == pytest.approx(counter.get_total_flops(), rel=0.1)
+    assert ours <= counter.get_total_flops()
 
 
 def test_step0_loss_is_ln2_and_rewards_zero():
@@ -418,9 +484,13 @@ def test_build_batches_disjoint_across_ranks_and_deterministic(grouped):
 
 @pytest.mark.parametrize("n, micro, world", [(10, 3, 2), (5, 2, 4), (7, 4, 1), (256, 8, 3)])
 def test_eval_batches_cover_every_pair_once_in_equal_numbers_of_batches(n, micro, world):
-    batches = [build_eval_batches(n, micro, rank, world) for rank in range(world)]
-    assert len({len(b) for b in batches}) == 1 and all(len(i) <= micro for b in batches for i in b)
-    assert sorted(i for b in batches for idx in b for i in idx) == list(range(n))
+    lengths = [random.Random(i).randint(1, 500) for i in range(n)]
+    for by_length in (None, lengths):
+        batches = [build_eval_batches(n, micro, rank, world, by_length) for rank in range(world)]
+        assert len({len(b) for b in batches}) == 1 and all(len(i) <= micro for b in batches for i in b)
+        assert sorted(i for b in batches for idx in b for i in idx) == list(range(n))
+    # Sorted: each rank's batches run from short to long pairs.
+    assert all([lengths[i] for idx in b for i in idx] == sorted(lengths[i] for idx in b for i in idx) for b in batches)
 
 
 def test_length_grouping_gives_at_least_90_percent_real_tokens_on_mixed_lengths():
@@ -798,7 +868,9 @@ def sharded_tiny(seed, precision="fp32", frozen=False, **fsdp):
     config, tok = train_dpo.load_model_config("tiny")
     full = train_dpo.load_full_model("tiny", config, seed)
     cfg = train_dpo.Config(fsdp=train_dpo.FSDPConfig(**fsdp))
-    model = train_dpo.build_sharded(config, full, cfg, resolve_precision(PrecisionConfig(precision), CPU), CPU, frozen)
+    make = lambda: transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = fsdp_setup.build_sharded(make, full, resolve_precision(PrecisionConfig(precision), CPU).mp_policy, CPU,
+                                     cfg.fsdp, frozen)
     return model, full, tok
 
 
@@ -823,6 +895,12 @@ def test_bf16_keeps_float32_masters_grads_optimizer_state_and_loss():
         reference, _, _ = sharded_tiny(seed=4, precision="bf16", frozen=True)
         assert all(p.dtype == torch.float32 and p.requires_grad for p in policy.parameters())
         assert not any(p.requires_grad for p in reference.parameters()) and not reference.training
+        # The frozen reference is stored in bf16 (no float32 copy), and computes exactly what the policy does.
+        assert all(p.dtype == torch.bfloat16 for p in reference.parameters())
+        ids = torch.randint(0, 256, (2, 12))
+        with torch.no_grad():
+            torch.testing.assert_close(reference(input_ids=ids).logits, policy(input_ids=ids).logits, rtol=0, atol=0)
+        policy.reshard()
         batch = collate_pairs(tokenize(demo_pairs("train")[:2], tok, 64, 32), tok.pad_token_id)
         logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         assert logits.dtype == torch.bfloat16
@@ -868,6 +946,14 @@ def test_activation_checkpointing_and_resharding_change_memory_not_math():
         torch.testing.assert_close(logps, results[0][0], rtol=0, atol=0)
         for n, g in grads.items():
             torch.testing.assert_close(g, results[0][1][n], rtol=1e-6, atol=1e-7)
+
+
+def test_compiled_blocks_train_like_eager_on_cpu(tmp_path):
+    """CPU: inductor's C++ kernels; with activation checkpointing, so its recomputation is compiled too."""
+    args = ("--max-steps", "3", "--micro-batch-size", "8", "--ref", "online", "--activation-checkpointing")
+    eager, compiled = read_metrics(run(tmp_path, "eager", *args)), read_metrics(run(tmp_path, "compiled", *args, "--compile"))
+    assert [r["loss"] for r in compiled] == pytest.approx([r["loss"] for r in eager], rel=1e-4)
+    assert compiled[-1]["grad_norm"] == pytest.approx(eager[-1]["grad_norm"], rel=1e-3)
 
 
 def test_a_frozen_reference_reshards_even_with_no_reshard_after_forward():
@@ -1420,7 +1506,7 @@ def test_sft_weight_adds_the_weighted_chosen_nll():
             assert (rpo["losses"] - plain["losses"]).tolist() == pytest.approx(expected, rel=1e-4)
         # SFT alone: the same NLL with weight 1, and only the 4 chosen rows go through the model.
         rows = []
-        hook = policy.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
+        hook = policy.model.embed_tokens.register_forward_hook(lambda module, args, out: rows.append(len(args[0])))
         sft = train_dpo.forward_pairs(policy, None, batch, train_dpo.LossConfig(loss="sft"), tokens_per_pair=per_pair)
         hook.remove()
         assert rows == [4] and sft["losses"].tolist() == pytest.approx([x / per_pair for x in hf], rel=1e-4)

@@ -28,11 +28,10 @@ from checkpoint import (CheckpointConfig, StopRequest, check_same_run, find_chec
 from data import (DataConfig, PairTokens, key_digest, load_tokenizer, load_tokens, tokenize_to_cache, write_atomic,
                   write_jsonl)
 from demo import demo_pairs, score_completion
-from fsdp_setup import (FSDPConfig, apply_ac, apply_fsdp, inference, init_distributed, load_from_rank0, on_rank0,
-                        save_pretrained)
+from fsdp_setup import FSDPConfig, build_sharded, inference, init_distributed, on_rank0, save_pretrained
 from loss import LossConfig, forward_pairs, model_logps
-from metrics import (PAIR_METRICS, RunLog, host_memory_by_rank_gb, mfu, pair_means, pair_sums, peak_memory_gb, say,
-                     show_progress, step_metrics)
+from metrics import (PAIR_METRICS, RunLog, flop_coefficients, forward_flops, host_memory_by_rank_gb, mfu, pair_means,
+                     pair_sums, peak_memory_gb, say, show_progress, step_metrics)
 from precision import Precision, PrecisionConfig, clip_and_step, resolve_precision, skip_counts
 from samples import SampleConfig, sample_completions
 
@@ -194,12 +193,14 @@ class Models:
     ref_train: torch.Tensor | None  # (N, 2) summed [chosen, rejected] reference log-probs, with --ref precompute
     ref_eval: torch.Tensor | None
     load_rss: list[float]  # every rank's peak host memory (GB) once the models were loaded
+    flops: tuple[float, float, float]  # the policy's (and reference's) metrics.flop_coefficients
 
 
 def build_models(run: Run) -> Models:
     """The policy and (--ref online) a frozen reference, sharded the same way; only rank 0 loads the weights.
     With --ref precompute: the reference log-probs instead, from the policy before any checkpoint is loaded."""
-    cfg, build = run.cfg, lambda *a, **k: build_sharded(run.model_config, *a, cfg, run.precision, run.device, **k)
+    cfg, make = run.cfg, lambda: transformers.AutoModelForCausalLM.from_config(run.model_config, dtype=torch.float32)
+    build = lambda *a, **k: build_sharded(make, *a, run.precision.mp_policy, run.device, cfg.fsdp, **k)
     full_model = load_full_model(cfg.model, run.model_config, cfg.seed) if run.rank == 0 else None
     policy = build(full_model).train(cfg.dropout)  # eval mode is what turns dropout off; gradients flow the same
     online = not cfg.objective.reference_free and cfg.ref == "online"
@@ -207,7 +208,8 @@ def build_models(run: Run) -> Models:
     del full_model
     rss = host_memory_by_rank_gb(run.device)
     precompute = not cfg.objective.reference_free and cfg.ref == "precompute"
-    return Models(policy, reference, *(load_or_precompute_ref(run, policy) if precompute else (None, None)), rss)
+    tables = load_or_precompute_ref(run, policy) if precompute else (None, None)
+    return Models(policy, reference, *tables, rss, flop_coefficients(policy))
 
 
 def load_model_config(name: str):
@@ -235,25 +237,12 @@ def load_full_model(name: str, config, seed: int):
     return transformers.AutoModelForCausalLM.from_pretrained(name, config=config, dtype=torch.float32)
 
 
-def build_sharded(config, full_model, cfg: Config, precision, device, frozen: bool = False):
-    """Build on the meta device (no memory), checkpoint and shard, then fill from rank 0's `full_model`."""
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # logits_to_keep hands the output layer a strided slice of the hidden states, for which torch.matmul
-    # expands the (V, H) weight to (2B, H, V) and copies it; a contiguous input keeps it one matmul.
-    model.get_output_embeddings().register_forward_pre_hook(lambda module, args: (args[0].contiguous(), *args[1:]))
-    if cfg.fsdp.activation_checkpointing and not frozen:
-        apply_ac(model)
-    apply_fsdp(model, precision.mp_policy, device, frozen=frozen, reshard_after_forward=cfg.fsdp.reshard_after_forward)
-    load_from_rank0(model, full_model, device)
-    return model
-
-
 # ---------------------------------------------------------------------------------------------- the step
 def train_step(run: Run, models: Models, batch: list[int]) -> torch.Tensor:
     """Forward and backward over this rank's share of the global `batch` (pair indices), micro-batch by
-    micro-batch. Returns this rank's sums, not yet reduced: PAIR_METRICS, then non-padding and all tokens."""
-    cfg, scaler, sums = run.cfg, run.precision.scaler, torch.zeros(len(PAIR_METRICS) + 2, device=run.device)
+    micro-batch. Returns this rank's sums, not yet reduced: PAIR_METRICS, non-padding and all tokens, FLOPs."""
+    cfg, scaler, flops = run.cfg, run.precision.scaler, 0.0
+    sums = torch.zeros(len(PAIR_METRICS) + 3, device=run.device)
     # The NLL is a token mean over the whole global batch, whichever rank and micro-batch a pair is in.
     tokens_per_pair = run.train.mean_chosen(batch) if cfg.objective.nll_weight else None
     mine = rank_share(batch, run.rank, run.world)
@@ -266,8 +255,20 @@ def train_step(run: Run, models: Models, batch: list[int]) -> torch.Tensor:
         # Per-rank sum / per-rank batch; FSDP averages over ranks: the mean over the global batch.
         loss = out["losses"].sum() / len(mine)
         (scaler.scale(loss) if scaler else loss).backward()
-        sums += torch.cat([pair_sums(out, torch.ones(len(idx), device=run.device)), out["tokens"]])
+        sums[:-1] += torch.cat([pair_sums(out, torch.ones(len(idx), device=run.device)), out["tokens"]])
+        flops += _flops(models, micro, cfg.objective.pairwise)
+    sums[-1] = flops  # a host number: computed from shapes, so no sync
     return sums
+
+
+def _flops(models: Models, micro: dict, pairwise: bool) -> float:
+    """Model FLOPs of a micro-batch: the policy's forward and backward (SFT: chosen rows only), the reference's
+    forward."""
+    rows, length = micro["input_ids"].shape
+    scored = len(micro["score_index"])
+    policy = (rows, length, scored) if pairwise else (rows // 2, length, micro["chosen_scored"])
+    reference = forward_flops(models.flops, rows, length, scored) if models.reference is not None else 0
+    return 3 * forward_flops(models.flops, *policy) + reference
 
 
 def _ref_rows(table: torch.Tensor | None, idx: list[int]) -> torch.Tensor | None:
@@ -446,9 +447,7 @@ def train_row(run: Run, models: Models, step: int, sums, peaks, grad_norm, skipp
            "grad_norm": grad_norm.item(), "lr": lr, "skipped": skipped}
     if run.precision.scaler:
         row["loss_scale"] = run.precision.scaler.get_scale()
-    # Model FLOPs: 6N per token for the policy's forward and backward, 2N for an online reference.
-    flops = (6 + 2 * (models.reference is not None)) * sum(p.numel() for p in models.policy.parameters())
-    row.update(mfu(flops * row["tokens_per_s"], run.world, run.device, run.precision.name))
+    row.update(mfu(row["flops"], seconds, run.world, run.device, run.precision.name))
     if skipped:
         say(f"step {step}: non-finite loss or gradient norm, step skipped on every rank")
     return row
