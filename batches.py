@@ -1,4 +1,5 @@
-"""Token batches for preference training: each step's pairs, each rank's share, and padded (2B, T) tensors.
+"""Token batches for preference training: each step's pairs, each rank's share, and their tensors: padded
+(2B, T) rows, or sequences packed into rows of a token budget.
 
 Copyable on its own: imports only the standard library and torch.
 
@@ -21,40 +22,65 @@ IGNORE_INDEX = -100  # labels not scored: Hugging Face's convention, and loss.py
 _MEGA = 256
 
 
-def collate_pairs(pairs: list[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Tensor | int]:
-    """Stack B pairs as 2B rows, all chosen then all rejected, each row prompt + response from column 0.
+def collate_pairs(pairs: list[dict[str, list[int]]], pad_id: int, pack_length: int = 0) -> dict[str, torch.Tensor | int]:
+    """Lay out B pairs as 2B sequences (prompt + response), all chosen then all rejected, in right-padded rows.
 
-    Rows are right-padded to the longest, (2B, T). Padding only ever follows a row's real tokens, which a causal
-    model never lets attend to it: the model needs no attention mask (the fused causal kernels run), and padding
-    positions are never scored. Returns, on the host:
-      input_ids, attention_mask (1 on real tokens), position_ids, labels: (2B, T) int64; labels are the response
-        ids (with EOS) and IGNORE_INDEX on prompt and padding positions;
-      response_lengths: (2B,) tokens scored per row;
-      score_index, score_targets, score_rows: (N,) for the N scored tokens: the flat position in (2B * T) whose
-        hidden state predicts the token (one before it), the token, and its row; `chosen_scored`: how many of
-        the N belong to chosen rows (an int; they come first).
+    pack_length 0: one sequence per row, (2B, T), T the longest. Padding only ever follows a row's real tokens,
+    which a causal model never lets attend to it: the model needs no attention mask (the fused causal kernels
+    run). pack_length > 0: sequences are packed first-fit-decreasing into rows of at most pack_length tokens
+    (a longer sequence gets a row of its own), chosen and rejected in separate rows, (R, T); "doc_ids" then
+    numbers each row's sequences (its padding one more), for attention that stays within a sequence, and
+    position_ids restart at each. Returns, on the host:
+      input_ids, attention_mask (1 on real tokens), position_ids, labels: (rows, T) int64; labels are the
+        response ids (with EOS) and IGNORE_INDEX on prompt and padding positions;
+      response_lengths: (2B,) tokens scored per sequence; chosen_rows: how many rows (an int) hold the chosen;
+      score_index, score_targets, score_rows: (N,) for the N scored tokens: the flat position in (rows * T)
+        whose hidden state predicts the token (one before it), the token, and its sequence (0..2B-1, in order);
+        `chosen_scored`: how many of the N belong to chosen sequences (an int; they come first).
     """
-    rows = [(pair["prompt"], pair[key]) for key in ("chosen", "rejected") for pair in pairs]
-    width = max(len(prompt) + len(response) for prompt, response in rows)
+    seqs = [(pair["prompt"], pair[key]) for key in ("chosen", "rejected") for pair in pairs]
+    lengths = [len(prompt) + len(response) for prompt, response in seqs]
+    halves = (range(len(pairs)), range(len(pairs), len(seqs)))
+    rows = [r for half in halves for r in (_pack(half, lengths, pack_length) if pack_length else [[i] for i in half])]
+    width = max(sum(lengths[i] for i in row) for row in rows)
     host = {"dtype": torch.long, "device": "cpu"}  # built on the host; micro_batches moves them (to_device)
     input_ids = torch.full((len(rows), width), pad_id, **host)
     labels = torch.full((len(rows), width), IGNORE_INDEX, **host)
-    attention_mask = torch.zeros((len(rows), width), **host)
-    index, targets, row_of = [], [], []
-    for i, (prompt, response) in enumerate(rows):
-        start, end = len(prompt), len(prompt) + len(response)
-        input_ids[i, :end] = torch.tensor(prompt + response, **host)
-        labels[i, start:end] = torch.tensor(response, **host)
-        attention_mask[i, :end] = 1
-        index += range(i * width + start - 1, i * width + end - 1)
-        targets += response
-        row_of += [i] * len(response)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
-            "position_ids": torch.arange(width, **host).expand(len(rows), width),
-            "response_lengths": torch.tensor([len(r) for _, r in rows], **host),
-            "score_index": torch.tensor(index, **host), "score_targets": torch.tensor(targets, **host),
-            "score_rows": torch.tensor(row_of, **host),
-            "chosen_scored": sum(len(response) for _, response in rows[:len(pairs)])}
+    attention_mask, position_ids, doc_ids = (torch.zeros((len(rows), width), **host) for _ in range(3))
+    where = {}  # sequence -> flat position of its first token
+    for r, row in enumerate(rows):
+        at = 0
+        for d, i in enumerate(row):
+            (prompt, response), end = seqs[i], at + lengths[i]
+            input_ids[r, at:end] = torch.tensor(prompt + response, **host)
+            labels[r, at + len(prompt):end] = torch.tensor(response, **host)
+            position_ids[r, at:end] = torch.arange(lengths[i], **host)
+            doc_ids[r, at:end], where[i], at = d, r * width + at, end
+        attention_mask[r, :at], doc_ids[r, at:] = 1, len(row)
+        position_ids[r, at:] = torch.arange(width - at, **host)
+    index = [j for i, (prompt, response) in enumerate(seqs)
+             for j in range(where[i] + len(prompt) - 1, where[i] + lengths[i] - 1)]
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "position_ids": position_ids,
+             "response_lengths": torch.tensor([len(r) for _, r in seqs], **host),
+             "score_index": torch.tensor(index, **host),
+             "score_targets": torch.tensor([t for _, response in seqs for t in response], **host),
+             "score_rows": torch.tensor([i for i, (_, r) in enumerate(seqs) for _ in r], **host),
+             "chosen_scored": sum(len(response) for _, response in seqs[:len(pairs)]),
+             "chosen_rows": sum(1 for row in rows if row[0] < len(pairs))}
+    return {**batch, "doc_ids": doc_ids} if pack_length else batch
+
+
+def _pack(seqs: range, lengths: list[int], budget: int) -> list[list[int]]:
+    """First-fit decreasing: the sequences `seqs` in rows of at most `budget` tokens (a longer one alone)."""
+    rows, room = [], []
+    for i in sorted(seqs, key=lambda i: -lengths[i]):
+        r = next((r for r, free in enumerate(room) if free >= lengths[i]), len(rows))
+        if r == len(rows):
+            rows.append([])
+            room.append(budget)
+        rows[r].append(i)
+        room[r] -= lengths[i]
+    return rows
 
 
 def pair_lengths(pair_lens: torch.Tensor) -> list[int]:
@@ -91,21 +117,23 @@ def rank_share(batch: list[int], rank: int, world_size: int) -> list[int]:
     return batch[rank * per_rank:(rank + 1) * per_rank]
 
 
-def micro_batches(pairs, idx: list[int], micro_batch_size: int, pad_id: int, device: torch.device):
+def micro_batches(pairs, idx: list[int], micro_batch_size: int, pad_id: int, device: torch.device,
+                  pack_length: int = 0):
     """(indices, collate_pairs tensors on `device`) for each micro-batch of pairs[idx], in order."""
     for s in range(0, len(idx), micro_batch_size):
-        yield idx[s:s + micro_batch_size], _to(collate_pairs([pairs[i] for i in idx[s:s + micro_batch_size]], pad_id),
-                                               device)
+        mine = idx[s:s + micro_batch_size]
+        yield mine, _to(collate_pairs([pairs[i] for i in mine], pad_id, pack_length), device)
 
 
-def eval_batches(pairs, micro_batch_size: int, rank: int, world_size: int, pad_id: int, device: torch.device):
+def eval_batches(pairs, micro_batch_size: int, rank: int, world_size: int, pad_id: int, device: torch.device,
+                 pack_length: int = 0):
     """(indices, tensors) covering every pair exactly once over all ranks, the same number of batches on each
     (build_eval_batches), shortest pairs first so each batch pads little. `pairs` has .lengths (data.PairTokens).
     An empty-index batch is a dummy (pair 0) that keeps every rank's FSDP collectives in step: give it zero
     weight."""
     lengths = pair_lengths(pairs.lengths)
     for idx in build_eval_batches(len(pairs), micro_batch_size, rank, world_size, lengths):
-        yield idx, _to(collate_pairs([pairs[i] for i in idx or [0]], pad_id), device)
+        yield idx, _to(collate_pairs([pairs[i] for i in idx or [0]], pad_id, pack_length), device)
 
 
 def _to(batch: dict, device: torch.device) -> dict:

@@ -60,6 +60,9 @@ class DataConfig:
     """Which part of a too-long prompt is kept: its end (nearest the response) or its start. A leading BOS stays."""
     group_by_length: bool = True
     """Batch pairs of similar length together (sorted within mega-batches, batch order shuffled): less padding."""
+    packing: bool = False
+    """Pack each micro-batch's sequences into rows of up to --max-length tokens (attention stays within each
+    sequence) instead of one padded row per sequence: no padding, even without --group-by-length."""
     cache_dir: str = "runs/cache"
     """Where tokenized data (tokens-<hash>.pt) and --ref precompute log-probs (ref-<hash>.safetensors) are kept,
     reused by any run with the same inputs and settings. Must be shared by all ranks, like --out-dir."""

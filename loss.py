@@ -298,17 +298,20 @@ def chosen_nll(chosen_logps: torch.Tensor, tokens_per_pair: float) -> torch.Tens
 def forward_pairs(policy, reference, batch: dict, objective: LossConfig, ref_logps: torch.Tensor | None = None,
                   tokens_per_pair: float | None = None) -> dict:
     """Per-pair losses, rewards and policy log-probs of Hugging Face causal LMs on a batch of B pairs: (2B, T)
-    rows, [chosen; rejected], as batches.collate_pairs makes them (input_ids, attention_mask, response_lengths,
-    score_index, score_targets, score_rows, chosen_scored). ref_logps (2B,) summed, when given (--ref
-    precompute), replaces running `reference`. tokens_per_pair: the whole batch's mean chosen tokens per pair,
-    for the NLL of sft and --sft-weight (see chosen_nll). Also "tokens": the non-padding and all token slots
-    the policy ran on."""
+    rows, [chosen; rejected], or the same sequences packed, as batches.collate_pairs makes them (input_ids,
+    attention_mask, response_lengths, score_index, score_targets, score_rows, chosen_scored, chosen_rows, and
+    position_ids and doc_ids when packed). ref_logps (2B,) summed, when given (--ref precompute), replaces
+    running `reference`. tokens_per_pair: the whole batch's mean chosen tokens per pair, for the NLL of sft and
+    --sft-weight (see chosen_nll). Also "tokens": the non-padding and all token slots the policy ran on."""
     if ref_logps is None and reference is not None:  # first, so its logits are freed before the policy's exist
         with torch.no_grad():
             ref_logps = model_logps(reference, batch)
-    n, k = len(batch["input_ids"]) // 2, batch["chosen_scored"]
-    rows = batch if objective.pairwise else {key: v[:k] if key.startswith("score_") else v[:n] if torch.is_tensor(v)
-                                             else v for key, v in batch.items()}  # the chosen rows, which come first
+    n = len(batch["response_lengths"]) // 2
+    # SFT: only the chosen sequences, whose tokens, rows and scored positions come first.
+    cut = {"response_lengths": n, **dict.fromkeys(("score_index", "score_targets", "score_rows"),
+                                                   batch["chosen_scored"])}
+    rows = batch if objective.pairwise else {key: v[:cut.get(key, batch["chosen_rows"])] if torch.is_tensor(v) else v
+                                             for key, v in batch.items()}
     summed = model_logps(policy, rows)  # (2B,); SFT: (B,), as running the rejected rows would double the cost
     if not objective.pairwise:
         summed = torch.cat([summed, torch.zeros_like(summed)])  # rejected: not computed; no metric shows them
@@ -333,8 +336,9 @@ def model_logps(model, batch: dict) -> torch.Tensor:
     Only the scored positions reach the output layer: hooks on it gather their hidden states (batch
     "score_index"), and for a plain bias-free linear head compute the log-probs chunk by chunk (_HeadLogps), so
     no (tokens, vocab) logits or gradient exist at all. A head with extras (bias, logit scaling or soft-capping)
-    runs itself on the gathered states. The rows are right-padded, so no attention mask is passed: the model's
-    causal masking already keeps padding out of every real token's view."""
+    runs itself on the gathered states. Padded rows get no attention mask: the model's causal masking already
+    keeps the padding after a row's tokens out of their view. Packed rows (batch "doc_ids") get a causal mask
+    within each sequence and its own positions."""
     head, config, state = model.get_output_embeddings(), model.config, {}
     fused = (FUSED_HEAD_ON_CPU or head.weight.device.type != "cpu") and isinstance(head, torch.nn.Linear) and (
         head.bias is None and not any(getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale",
@@ -349,7 +353,9 @@ def model_logps(model, batch: dict) -> torch.Tensor:
         return _HeadLogps.apply(state["hidden"], module.weight, batch["score_targets"])[None].clone()
     hooks = [head.register_forward_pre_hook(gather)] + ([head.register_forward_hook(fuse)] if fused else [])
     try:
-        out = model(input_ids=batch["input_ids"], use_cache=False).logits[0]  # (N,) or (N, V)
+        packed = {"attention_mask": _document_mask(batch["doc_ids"], config._attn_implementation),
+                  "position_ids": batch["position_ids"]} if "doc_ids" in batch else {}
+        out = model(input_ids=batch["input_ids"], use_cache=False, **packed).logits[0]  # (N,) or (N, V)
     finally:
         for hook in hooks:
             hook.remove()
@@ -359,4 +365,17 @@ def model_logps(model, batch: dict) -> torch.Tensor:
         targets = batch["score_targets"]
         out = _TokenLogps.apply(out[None], torch.zeros_like(targets), torch.arange(len(targets), device=out.device),
                                 targets)
-    return torch.zeros(len(batch["input_ids"]), device=out.device).index_add_(0, batch["score_rows"], out)
+    return torch.zeros(len(batch["response_lengths"]), device=out.device).index_add_(0, batch["score_rows"], out)
+
+
+def _document_mask(doc_ids: torch.Tensor, attention: str) -> torch.Tensor:
+    """(R, 1, T, T) attention mask of packed rows: each token sees its own sequence's earlier tokens only.
+    Built on the device from (R, T) doc_ids, in the form the model's attention takes: boolean (True: attend) for
+    sdpa, additive float for eager; the transformers masking code passes a 4D mask through untouched."""
+    causal = torch.ones(doc_ids.shape[1], doc_ids.shape[1], dtype=torch.bool, device=doc_ids.device).tril()
+    mask = (doc_ids[:, :, None] == doc_ids[:, None, :]) & causal  # (R, T, T)
+    if attention == "sdpa":
+        return mask[:, None]
+    if attention == "eager":
+        return torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, torch.finfo(torch.float32).min)[:, None]
+    raise ValueError(f"--packing needs sdpa or eager attention, not {attention!r}")

@@ -316,6 +316,53 @@ def test_padded_batch_log_probs_equal_unpadded_rows_and_the_head_sees_only_respo
         torch.testing.assert_close(g, n, rtol=1e-4, atol=1e-5)
 
 
+def test_packed_layout_fills_rows_up_to_the_budget_and_restarts_positions_per_sequence():
+    _, tok = tiny(seed=0)
+    texts = [{"prompt": f"Prompt number {i}:", "chosen": " yes" * (i + 1), "rejected": " no" * (5 - i)}
+             for i in range(5)]
+    pairs = tokenize(texts, tok, 64, 32)
+    budget = 48
+    batch = collate_pairs(pairs, tok.pad_token_id, pack_length=budget)
+    seqs = [(p["prompt"], p[k]) for k in ("chosen", "rejected") for p in pairs]
+    ids, width = batch["input_ids"].flatten(), batch["input_ids"].shape[1]
+    assert width <= budget and len(batch["input_ids"]) < len(seqs)  # fewer rows than sequences: some share one
+    assert batch["attention_mask"].sum() == sum(len(p) + len(r) for p, r in seqs)  # every token once
+    for i, (prompt, response) in enumerate(seqs):
+        at = batch["score_index"][batch["score_rows"] == i]
+        start = at[0].item() - len(prompt) + 1  # the sequence's first token, as a flat position
+        row, col = divmod(start, width)
+        assert ids[start:start + len(prompt) + len(response)].tolist() == prompt + response
+        assert batch["position_ids"][row, col:col + len(prompt) + len(response)].tolist() == list(
+            range(len(prompt) + len(response)))
+        assert (batch["doc_ids"][row, col:col + len(prompt) + len(response)] == batch["doc_ids"][row, col]).all()
+        assert (batch["doc_ids"][row, :col] != batch["doc_ids"][row, col]).all()  # the row's earlier sequences
+        assert batch["score_targets"][batch["score_rows"] == i].tolist() == response
+        assert (row < batch["chosen_rows"]) == (i < len(pairs))  # chosen sequences fill the first rows
+    assert batch["chosen_scored"] == sum(len(p["chosen"]) for p in pairs)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_packed_log_probs_and_gradients_equal_padded_ones(attention):
+    policy, tok = tiny(seed=3)
+    policy.config._attn_implementation = attention
+    texts = [{"prompt": "Review the red kettle:", "chosen": " Great. 5/5", "rejected": " The kettle is bad. 1/5"},
+             {"prompt": "Hi", "chosen": " A much longer and more detailed answer here.", "rejected": " No."},
+             {"prompt": "Rate the lamp please:", "chosen": "!", "rejected": " meh"}]
+    pairs = tokenize(texts, tok, 128, 64)
+    padded, packed = collate_pairs(pairs, tok.pad_token_id), collate_pairs(pairs, tok.pad_token_id, pack_length=60)
+    assert (packed["doc_ids"].amax(1) >= 2).any()  # some row holds two sequences, and no row crosses the budget
+    params = list(policy.parameters())
+    for loss_type in ("dpo", "sft"):  # sft: the chosen rows alone
+        objective = train_dpo.LossConfig(loss=loss_type)
+        ref = torch.randn(6) if loss_type == "dpo" else None
+        a, b = (train_dpo.forward_pairs(policy, None, x, objective, ref, tokens_per_pair=9.0) for x in (padded, packed))
+        torch.testing.assert_close(b["chosen_logps"], a["chosen_logps"], rtol=1e-5, atol=1e-5)  # chosen, rejected:
+        torch.testing.assert_close(b["rejected_logps"], a["rejected_logps"], rtol=1e-5, atol=1e-5)  # pair order
+        for g, h in zip(torch.autograd.grad(a["losses"].sum(), params), torch.autograd.grad(b["losses"].sum(), params)):
+            torch.testing.assert_close(h, g, rtol=1e-4, atol=1e-6)
+    assert b["tokens"][0] == a["tokens"][0] and b["tokens"][1] < a["tokens"][1]  # the same tokens, less padding
+
+
 def test_chunked_logps_match_naive_across_chunk_boundaries_and_save_no_float_copy(monkeypatch):
     import loss
     monkeypatch.setattr(loss, "_chunk_rows", lambda vocab, device, matmul=False: 3)
@@ -705,6 +752,7 @@ for round in range(2):  # the second call finds the cache and tokenizes nothing
     with open(os.path.join(sys.argv[2], f"rank{rank}-{round}.txt"), "w") as f:
         f.write(f"{rank} {len(train)} {len(evals)} {train.ids.sum().item()} {len(calls)}")
 dist.destroy_process_group()
+train_dpo.exit_without_shutdown(0)
 """
 
 
@@ -1248,7 +1296,10 @@ def forward_pairs(policy, *args, **kwargs):  # SIGTERM to rank 1 alone, in the m
     return real(policy, *args, **kwargs)
 
 train_dpo.forward_pairs = forward_pairs
-train_dpo.main(sys.argv[1:])
+try:
+    train_dpo.main(sys.argv[1:])
+except SystemExit as e:
+    train_dpo.exit_without_shutdown(e.code)
 """
 
 
@@ -1306,6 +1357,10 @@ def test_two_rank_torchrun_matches_one_rank(six_steps, tmp_path, micro):
     assert set(load_safetensors(os.path.join(one, "final"))) == _hf_export_names()
 
 
+def test_packing_trains_like_padding(six_steps, tmp_path):
+    _assert_same_run(six_steps[0], run(tmp_path, "packed", *SIX, "--packing"), exact=False)
+
+
 def _hf_export_names():
     """The tensor names Hugging Face's own save_pretrained writes for the tiny model (tied: no lm_head.weight)."""
     model, _ = tiny(seed=0)
@@ -1358,7 +1413,9 @@ torch.amp.GradScaler.unscale_ = unscale_
 try:
     train_dpo.main(sys.argv[1:])
 finally:
-    json.dump(record, open(os.path.join(os.environ["RECORD_DIR"], f"record-{rank}.json"), "w"))
+    with open(os.path.join(os.environ["RECORD_DIR"], f"record-{rank}.json"), "w") as f:
+        json.dump(record, f)
+train_dpo.exit_without_shutdown(0)
 """
 
 
@@ -1555,6 +1612,7 @@ out = generate(Model(), [[2, 2]], max_new_tokens=6, eos_id=1, pad_id=0)
 with open(os.path.join(sys.argv[2], f"rank{rank}.txt"), "w") as f:
     f.write(f"{forwards[0]} {out}")
 dist.destroy_process_group()
+os._exit(0)  # as train_dpo.exit_without_shutdown: no interpreter shutdown while gloo's threads let go
 """
 
 

@@ -134,6 +134,7 @@ class Run:
         return self._epochs[epoch][step % self.steps_per_epoch]
 
     start_step = property(lambda self: self.saved["step"] if self.saved else 0)
+    pack_length = property(lambda self: self.cfg.dataset.max_length if self.cfg.dataset.packing else 0)
     pad_id = property(lambda self: self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                       else self.tokenizer.eos_token_id)
     # What the loss computes: SFT runs no rejected rows, so it has no rewards, accuracy or margin.
@@ -203,6 +204,8 @@ def build_models(run: Run) -> Models:
     build = lambda *a, **k: build_sharded(make, *a, run.precision.mp_policy, run.device, cfg.fsdp, **k)
     full_model = load_full_model(cfg.model, run.model_config, cfg.seed) if run.rank == 0 else None
     policy = build(full_model).train(cfg.dropout)  # eval mode is what turns dropout off; gradients flow the same
+    if cfg.dataset.packing and policy.config._attn_implementation not in ("sdpa", "eager"):  # loss._document_mask
+        raise ValueError(f"--packing needs sdpa or eager attention, not {policy.config._attn_implementation!r}")
     online = not cfg.objective.reference_free and cfg.ref == "online"
     reference = build(full_model, frozen=True) if online else None
     del full_model
@@ -246,7 +249,8 @@ def train_step(run: Run, models: Models, batch: list[int]) -> torch.Tensor:
     # The NLL is a token mean over the whole global batch, whichever rank and micro-batch a pair is in.
     tokens_per_pair = run.train.mean_chosen(batch) if cfg.objective.nll_weight else None
     mine = rank_share(batch, run.rank, run.world)
-    for i, (idx, micro) in enumerate(micro_batches(run.train, mine, cfg.micro_batch_size, run.pad_id, run.device)):
+    micros = micro_batches(run.train, mine, cfg.micro_batch_size, run.pad_id, run.device, run.pack_length)
+    for i, (idx, micro) in enumerate(micros):
         # By default every micro-batch's gradient is reduce-scattered at once, so no rank holds a full one.
         last = (i + 1) * cfg.micro_batch_size >= len(mine)
         models.policy.set_requires_gradient_sync(not cfg.fsdp.unsharded_grad_accumulation or last)
@@ -266,7 +270,7 @@ def _flops(models: Models, micro: dict, pairwise: bool) -> float:
     forward."""
     rows, length = micro["input_ids"].shape
     scored = len(micro["score_index"])
-    policy = (rows, length, scored) if pairwise else (rows // 2, length, micro["chosen_scored"])
+    policy = (rows, length, scored) if pairwise else (micro["chosen_rows"], length, micro["chosen_scored"])
     reference = forward_flops(models.flops, rows, length, scored) if models.reference is not None else 0
     return 3 * forward_flops(models.flops, *policy) + reference
 
@@ -280,7 +284,8 @@ def evaluate(run: Run, models: Models) -> dict:
     """Means over the whole held-out set, each pair counted once however many ranks there are."""
     sums, tokens_per_pair = torch.zeros(len(PAIR_METRICS) + 1, device=run.device), run.eval.mean_chosen()
     with inference(models.policy):
-        for idx, batch in eval_batches(run.eval, run.cfg.micro_batch_size, run.rank, run.world, run.pad_id, run.device):
+        for idx, batch in eval_batches(run.eval, run.cfg.micro_batch_size, run.rank, run.world, run.pad_id,
+                                       run.device, run.pack_length):
             weight = torch.full((max(len(idx), 1),), float(bool(idx)), device=run.device)  # 0: a dummy batch
             out = forward_pairs(models.policy, models.reference, batch, run.cfg.objective,
                                 _ref_rows(models.ref_eval, idx or [0]), tokens_per_pair)
@@ -327,7 +332,7 @@ def load_or_precompute_ref(run: Run, policy) -> tuple[torch.Tensor, torch.Tensor
         tables[split] = torch.zeros(len(pairs), 2, device=run.device)  # each row from one rank, 0 on the others
         with inference(policy):
             for idx, batch in eval_batches(pairs, run.cfg.micro_batch_size, run.rank, run.world, run.pad_id,
-                                           run.device):
+                                           run.device, run.pack_length):
                 tables[split][idx] = model_logps(policy, batch).view(2, -1).T[:len(idx)]  # (B, 2)
         dist.all_reduce(tables[split])  # so the sum over ranks is exact
     if run.rank == 0:
@@ -389,6 +394,7 @@ def train(cfg: Config, rank: int, world: int, device: torch.device) -> int:
         if bad_steps >= cfg.mixed_precision.max_skipped_steps:
             say(f"error: stopping at step {step + 1}: {bad_steps} consecutive steps since step "
                 f"{step + 2 - bad_steps} had a non-finite loss or gradient norm")
+            log.close()
             return 1
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < run.total_steps:
             evaluate_and_sample(run, models, log, step + 1, t0)
@@ -397,6 +403,7 @@ def train(cfg: Config, rank: int, world: int, device: torch.device) -> int:
             path = save(run, models.policy, optimizer, step + 1)
         if stopping:
             say(f"stopped by a signal after step {step + 1}: saved {path}; continue with --resume latest")
+            log.close()  # and the W&B run finished: the process leaves without interpreter shutdown
             return 128 + (stop.signum or signal.SIGTERM)
     stop.restore()
     evaluate_and_sample(run, models, log, run.total_steps, t0)
@@ -504,5 +511,20 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(code)
 
 
+def exit_without_shutdown(code: int | str | None) -> None:
+    """Leave the process now, with sys.exit's `code`, skipping interpreter shutdown: a gloo worker thread can
+    still be releasing a finished collective's tensors, which takes the GIL, and during shutdown that aborts
+    the process (SIGABRT, "terminate called without an active exception"; 2-rank CPU runs, about 1 in 10
+    under load) after a run that wrote everything. Every file is closed by then; metrics rows are
+    line-buffered."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else int(code is not None))
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as e:
+        exit_without_shutdown(e.code)
+    exit_without_shutdown(0)
