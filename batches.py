@@ -27,10 +27,10 @@ def collate_pairs(pairs: list[dict[str, list[int]]], pad_id: int, pack_length: i
 
     pack_length 0: one sequence per row, (2B, T), T the longest. Padding only ever follows a row's real tokens,
     which a causal model never lets attend to it: the model needs no attention mask (the fused causal kernels
-    run). pack_length > 0: sequences are packed first-fit-decreasing into rows of at most pack_length tokens
-    (a longer sequence gets a row of its own), chosen and rejected in separate rows, (R, T); "doc_ids" then
-    numbers each row's sequences (its padding one more), for attention that stays within a sequence, and
-    position_ids restart at each. Returns, on the host:
+    run). pack_length > 0: sequences are packed into few rows of at most pack_length tokens, balanced
+    (_pack), chosen and rejected in separate rows, (R, T); "doc_ids" then numbers each row's sequences (its
+    padding one more), for attention that stays within a sequence, and position_ids restart at each.
+    Returns, on the host:
       input_ids, attention_mask (1 on real tokens), position_ids, labels: (rows, T) int64; labels are the
         response ids (with EOS) and IGNORE_INDEX on prompt and padding positions;
       response_lengths: (2B,) tokens scored per sequence; chosen_rows: how many rows (an int) hold the chosen;
@@ -71,16 +71,19 @@ def collate_pairs(pairs: list[dict[str, list[int]]], pad_id: int, pack_length: i
 
 
 def _pack(seqs: range, lengths: list[int], budget: int) -> list[list[int]]:
-    """First-fit decreasing: the sequences `seqs` in rows of at most `budget` tokens (a longer one alone)."""
-    rows, room = [], []
-    for i in sorted(seqs, key=lambda i: -lengths[i]):
-        r = next((r for r, free in enumerate(room) if free >= lengths[i]), len(rows))
-        if r == len(rows):
-            rows.append([])
-            room.append(budget)
-        rows[r].append(i)
-        room[r] -= lengths[i]
-    return rows
+    """The sequences `seqs` in rows of at most `budget` tokens: as many rows as their tokens need (more only when
+    the sequences do not fit), balanced so the rows, padded to the fullest, waste little: longest first, each
+    into the emptiest row. A sequence longer than budget gets a row of its own."""
+    n = max(-(-sum(lengths[i] for i in seqs) // budget), 1)
+    while True:
+        rows, fill = [[] for _ in range(n)], [0] * n
+        for i in sorted(seqs, key=lambda i: -lengths[i]):
+            r = min(range(n), key=fill.__getitem__)
+            rows[r].append(i)
+            fill[r] += lengths[i]
+        if max(fill) <= budget or n >= len(seqs):
+            return [row for row in rows if row]
+        n += 1
 
 
 def pair_lengths(pair_lens: torch.Tensor) -> list[int]:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import transformers
 
 import train_dpo
+import batches
 import data
 import fsdp_setup
 import metrics
@@ -339,6 +340,14 @@ def test_packed_layout_fills_rows_up_to_the_budget_and_restarts_positions_per_se
         assert batch["score_targets"][batch["score_rows"] == i].tolist() == response
         assert (row < batch["chosen_rows"]) == (i < len(pairs))  # chosen sequences fill the first rows
     assert batch["chosen_scored"] == sum(len(p["chosen"]) for p in pairs)
+    g = random.Random(0)  # the packing itself: every sequence once, within the budget, in few rows
+    for _ in range(500):
+        lengths, budget = [g.randint(1, 300) for _ in range(g.randint(1, 12))], g.randint(50, 400)
+        rows = batches._pack(range(len(lengths)), lengths, budget)
+        fills = [sum(lengths[i] for i in row) for row in rows]
+        assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+        assert all(f <= budget or len(row) == 1 for f, row in zip(fills, rows))
+        assert len(rows) == len(lengths) or len(rows) <= 1 + -(-sum(lengths) // budget) * 2
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
