@@ -3,6 +3,7 @@
 Copyable on its own: imports only the standard library and torch.
 
     save_checkpoint(root, step, model, optimizer, {"step": step, ...}, keep_last=3)  # root/step-N, root/latest
+    save_checkpoint(..., background=True); ...; finish_checkpoint()  # written while training goes on
     path = find_checkpoint(root, "latest")                 # or an explicit step-N folder
     state = read_trainer_state(path)                       # the saved extra, cheap: before building models
     check_same_run(state, {"config": config}, fixed={"model": "--model", "batch_size": "--batch-size"})
@@ -40,6 +41,10 @@ class CheckpointConfig:
     """Keep only the newest K checkpoints; 0 keeps all."""
     resume: str | None = None
     """Resume from a checkpoint folder, or "latest" for {out_dir}/checkpoints/latest."""
+    async_save: bool = False
+    """Write checkpoints in a background thread: training waits only while the shards are copied to host
+    memory (one more copy of this rank's model and optimizer shards). `latest` moves once the write is
+    complete; a stop signal, the end of training and the next save wait for it."""
 
     def __post_init__(self):
         for name in ("save_every", "keep_last"):
@@ -48,39 +53,71 @@ class CheckpointConfig:
 
 
 def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: Optimizer, extra: dict,
-                    keep_last: int = 0) -> str:
+                    keep_last: int = 0, background: bool = False) -> str:
     """Write root/step-{step} and point root/latest at it; keep only the newest keep_last (0: all).
 
     Everything goes to step-N.tmp, which is renamed once complete; `latest` moves last. A run killed
-    mid-save therefore still resumes from the previous checkpoint. Collective: call on every rank.
+    mid-save therefore still resumes from the previous checkpoint. background=True returns once the shards
+    are staged in host memory; the write goes on in a thread (over a gloo group of its own, so its
+    collectives never meet the training's) and finish_checkpoint completes it. Collective: call on every rank.
     """
+    finish_checkpoint()  # at most one write in flight: its staged copy is the memory async saving costs
     path = os.path.join(root, f"step-{step}")
     tmp = path + ".tmp"
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an earlier killed save
-        os.makedirs(root, exist_ok=True)
+        os.makedirs(tmp)
+        with open(os.path.join(tmp, _STATE), "w") as f:
+            json.dump({**extra, "world_size": world}, f, indent=2)
     dist.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
     device = _device_of(model)  # only this rank's own GPU: another process may see fewer GPUs on resume
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
     torch.save(rng, os.path.join(tmp, f"rng-rank{rank}.pt"))
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    if background:
+        if "group" not in _pending:  # once, on every rank (a collective)
+            _pending["group"] = dist.new_group(backend="gloo")
+        # The write's last collective gathers every rank's result before rank 0 writes the metadata, so rank 0's
+        # future is done only once every rank's shards (and, written before, its RNG file) are on disk.
+        _pending["write"] = (dcp.async_save(state, checkpoint_id=tmp, process_group=_pending["group"]),
+                             lambda: _publish(root, path, keep_last))
+        return path
+    dcp.save(state, checkpoint_id=tmp)
     dist.barrier()  # every rank's part is on disk
-    if rank == 0:
-        with open(os.path.join(tmp, _STATE), "w") as f:
-            json.dump({**extra, "world_size": world}, f, indent=2)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-        latest = os.path.join(root, "latest")
-        pathlib.Path(latest + ".tmp").write_text(os.path.basename(path))
-        os.replace(latest + ".tmp", latest)  # a reader never sees half a pointer
-        if keep_last:
-            for old in _checkpoints(root)[:-keep_last]:
-                shutil.rmtree(os.path.join(root, old))
+    _publish(root, path, keep_last)
     dist.barrier()
     return path
+
+
+_pending = {}  # "write": (future, publish) of the checkpoint being written in the background; "group": its own
+
+
+def finish_checkpoint(wait: bool = True) -> None:
+    """Complete a background save_checkpoint: wait for its write (wait=False: only if already done) and let
+    rank 0 move `latest` to it. A failed write raises here. No collective: safe to call on any one rank."""
+    future, publish = _pending.get("write", (None, None))
+    if future is None or not (wait or future.done()):
+        return
+    del _pending["write"]
+    future.result()
+    publish()
+
+
+def _publish(root: str, path: str, keep_last: int) -> None:
+    """Rank 0: the complete step-N.tmp becomes step-N, then `latest` points at it; older ones pruned."""
+    if dist.get_rank() != 0:
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(path + ".tmp", path)
+    latest = os.path.join(root, "latest")
+    pathlib.Path(latest + ".tmp").write_text(os.path.basename(path))
+    os.replace(latest + ".tmp", latest)  # a reader never sees half a pointer
+    if keep_last:
+        for old in _checkpoints(root)[:-keep_last]:
+            shutil.rmtree(os.path.join(root, old))
 
 
 def _checkpoints(root: str) -> list[str]:

@@ -15,6 +15,7 @@ Copyable on its own: imports only the standard library and torch.
 import contextlib
 import json
 import os
+import pickle
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -44,6 +45,14 @@ class FSDPConfig:
     """Accumulate micro-batch gradients unsharded and reduce-scatter once per step: fewer collectives, but every
     rank holds a full gradient in the reduce dtype (float32: 4 bytes per parameter) until the last micro-batch.
     Off: reduce-scatter after every micro-batch, so only gradient shards are ever kept."""
+    replicas: int = 1
+    """HSDP: R copies of the model, each sharded over world/R consecutive ranks (one node each when that is its
+    GPU count): weights are gathered and gradients reduce-scattered within a node, and only gradient shards
+    cross nodes (an all-reduce over the R copies). 1: every rank shards one copy (FSDP)."""
+
+    def __post_init__(self):
+        if self.replicas < 1:
+            raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
 
 
 def init_distributed(device: str = "auto", timeout_s: int = 1800) -> tuple[int, int, torch.device]:
@@ -80,24 +89,34 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800) -> tuple[int, 
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def on_rank0(fn):
-    """fn() on rank 0 alone; its result, or its failure, then reaches every rank (a collective when
-    torch.distributed is initialised). A ValueError stays one on every rank, so each reports bad input the
-    same way; any other failure is a RuntimeError on the other ranks. No rank waits for a failed rank 0."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    message = [None, None, False]  # [result, error, whether it is a ValueError]
-    if rank == 0:
+def on_rank0(fn, share: bool = True):
+    """fn() on rank 0 alone; its result (share=False: None elsewhere) or its failure then reaches every rank.
+
+    The other ranks wait on the process group's key-value store, not in a collective: a long rank-0 phase
+    (tokenizing a large dataset, loading or writing a full model) may outlast the collective timeout, and a
+    failure on rank 0 reaches them the moment it happens. A ValueError stays one on every rank, so each
+    reports bad input the same way; any other failure is a RuntimeError on the other ranks."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return fn()
+    _rank0_calls.append(None)  # every rank calls on_rank0 in the same order: the n-th call's key
+    key, store = f"dpo/on_rank0/{len(_rank0_calls)}", dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 0:
         try:
-            message[0] = fn()
-        except Exception as e:  # the other ranks must hear of any failure, or they wait in the broadcast forever
-            message[1:], failure = [str(e), isinstance(e, ValueError)], e
-    if dist.is_initialized():
-        dist.broadcast_object_list(message, src=0)
-    if message[1] is not None:
-        if rank == 0:
-            raise failure
-        raise ValueError(message[1]) if message[2] else RuntimeError(f"rank 0 failed: {message[1]}")
-    return message[0]
+            result = fn()
+        except Exception as e:  # the other ranks must hear of any failure, or they wait for as long as it takes
+            store.set(key, pickle.dumps((None, str(e), isinstance(e, ValueError))))
+            raise
+        store.set(key, pickle.dumps((result if share else None, None, False)))
+        return result
+    store.wait([key], _RANK0_WAIT)
+    result, error, value_error = pickle.loads(store.get(key))
+    if error is not None:
+        raise ValueError(error) if value_error else RuntimeError(f"rank 0 failed: {error}")
+    return result
+
+
+_rank0_calls = []
+_RANK0_WAIT = timedelta(hours=24)  # the longest rank-0 phase the other ranks wait for
 
 
 def _local_gpu() -> int:
@@ -157,21 +176,28 @@ def build_sharded(make_model, full_model: nn.Module | None, mp_policy: MixedPrec
         # the compiled code (dynamo skips FSDP hooks). Module.compile keeps names and state-dict keys.
         for block in _blocks(model):
             block.compile(dynamic=True)
-    apply_fsdp(model, mp_policy, device, frozen=frozen, reshard_after_forward=config.reshard_after_forward)
+    apply_fsdp(model, mp_policy, device, frozen=frozen, reshard_after_forward=config.reshard_after_forward,
+               replicas=config.replicas)
     load_from_rank0(model, full_model, device)
     return model
 
 
 def apply_fsdp(model: nn.Module, mp_policy: MixedPrecisionPolicy, device: torch.device, frozen: bool = False,
-               reshard_after_forward: bool = True) -> nn.Module:
+               reshard_after_forward: bool = True, replicas: int = 1) -> nn.Module:
     """Shard `model` in place with FSDP2 over every rank on `device`: each transformer block, then the root.
 
     The root group holds everything outside the blocks (embeddings, final norm, output layer). Tied input
     and output embeddings are one parameter there, so the tie survives sharding and is gathered once.
-    frozen=True prepares a reference model: no gradients, eval mode, same sharding.
+    frozen=True prepares a reference model: no gradients, eval mode, same sharding. replicas > 1: HSDP over a
+    (replicas, world / replicas) mesh, rank r in replica r // (world / replicas).
     """
-    # An explicit mesh: FSDP2's default mesh takes CUDA whenever a GPU is visible, even for a CPU model.
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    world = dist.get_world_size()
+    if world % replicas:
+        raise ValueError(f"--replicas {replicas} does not divide the {world} ranks")
+    # An explicit mesh: FSDP2's default mesh takes CUDA whenever a GPU is visible, even for a CPU model. With
+    # a 2D mesh fully_shard shards over the last dimension and replicates over the first.
+    mesh = init_device_mesh(device.type, (world,)) if replicas == 1 else init_device_mesh(
+        device.type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
     if frozen:
         model.requires_grad_(False).eval()
     # A frozen model has no backward, which is what reshards a block kept gathered after forward: it always
@@ -235,9 +261,10 @@ def save_pretrained(model: nn.Module, folder: str, dtype: torch.dtype, tokenizer
                     extra: dict | None = None) -> None:
     """A sharded Hugging Face model as a save_pretrained folder: weights gathered in `dtype` (the same tensor
     names as the model's own save_pretrained), its config recording that dtype, the tokenizer, and each
-    {file name: JSON-able} of `extra`. A collective; rank 0 writes."""
+    {file name: JSON-able} of `extra`. Call on every rank; rank 0 writes."""
     state = gather_full_state_dict(model, dtype)
-    if dist.get_rank() == 0:
+
+    def write():  # rank 0; the others wait on the store, however long the files take
         model.save_pretrained(folder, state_dict=state)
         model.config.dtype = dtype  # save_pretrained records the float32 masters' dtype; record the export's
         model.config.save_pretrained(folder)
@@ -246,3 +273,4 @@ def save_pretrained(model: nn.Module, folder: str, dtype: torch.dtype, tokenizer
         for name, obj in (extra or {}).items():
             with open(os.path.join(folder, name), "w") as f:
                 json.dump(obj, f, indent=2)
+    on_rank0(write, share=False)

@@ -1340,7 +1340,7 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(six_steps, tmp_path):
 def test_sigterm_from_outside_saves_the_finished_step_and_exits_promptly(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, os.path.join(HERE, "train_dpo.py"), "--out-dir", str(out), "--cache-dir", CACHE, *ON_CPU,
-           "--max-steps", "200", "--batch-size", "16", "--warmup-steps", "2"]
+           "--max-steps", "200", "--batch-size", "16", "--warmup-steps", "2", "--async-save"]  # the stop waits for it
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 120
@@ -1356,6 +1356,41 @@ def test_sigterm_from_outside_saves_the_finished_step_and_exits_promptly(tmp_pat
     assert [r["step"] for r in read_metrics(str(out))] == list(range(1, last + 2))  # no step lost or repeated
 
 
+KILL_MID_SAVE = """
+import os, signal, sys
+from torch.distributed.checkpoint import FileSystemWriter
+import train_dpo
+real = FileSystemWriter.write_data
+
+def write_data(self, plan, planner):  # step 4's shards reach the disk, then the process dies mid-save
+    written = real(self, plan, planner)
+    if "step-4" in str(self.path):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return written
+
+FileSystemWriter.write_data = write_data
+train_dpo.main(sys.argv[1:])
+"""
+
+
+def test_a_run_killed_during_an_async_save_resumes_from_the_last_complete_one(six_steps, tmp_path):
+    script, out = tmp_path / "kill.py", tmp_path / "run"
+    script.write_text(KILL_MID_SAVE)
+    cmd = [sys.executable, str(script), "--out-dir", str(out), "--cache-dir", CACHE, "--batch-size", "16",
+           "--warmup-steps", "2", "--num-samples", "0", "--no-eval-before", *ON_CPU, *SIX, "--save-every", "2",
+           "--async-save"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": HERE},
+                          check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    saved = out / "checkpoints"
+    assert (saved / "latest").read_text() == "step-2" and (saved / "step-4.tmp").is_dir()
+    assert sorted(os.listdir(saved)) == ["latest", "step-2", "step-4.tmp"]
+    # Step 2 was written while steps 3 and 4 trained: from it, the run ends exactly as the uninterrupted one.
+    run(tmp_path, "run", *SIX, "--save-every", "2", "--async-save", "--resume", "latest")
+    _assert_same_run(six_steps[0], str(out))
+    assert sorted(os.listdir(saved)) == ["latest", "step-2", "step-4", "step-6"]
+
+
 @pytest.mark.parametrize("micro", [8, 2])  # on 2 ranks: no accumulation, and 4 accumulation steps
 def test_two_rank_torchrun_matches_one_rank(six_steps, tmp_path, micro):
     args = ("--max-steps", "6", "--micro-batch-size", str(micro))
@@ -1368,6 +1403,49 @@ def test_two_rank_torchrun_matches_one_rank(six_steps, tmp_path, micro):
 
 def test_packing_trains_like_padding(six_steps, tmp_path):
     _assert_same_run(six_steps[0], run(tmp_path, "packed", *SIX, "--packing"), exact=False)
+
+
+SLOW_RANK0 = """
+import functools, os, sys, time
+import fsdp_setup, train_dpo
+train_dpo.init_distributed = functools.partial(fsdp_setup.init_distributed, timeout_s=10)  # collectives: 10 s
+real = train_dpo.load_full_model
+
+def load_full_model(*args):  # rank 0's full model takes longer to load than any collective may wait
+    time.sleep(15)
+    return real(*args)
+
+train_dpo.load_full_model = load_full_model
+try:
+    train_dpo.main(sys.argv[1:])
+except SystemExit as e:
+    train_dpo.exit_without_shutdown(e.code)
+train_dpo.exit_without_shutdown(0)
+"""
+
+
+def test_a_rank0_phase_longer_than_the_collective_timeout_keeps_the_other_ranks_waiting(tmp_path):
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_RANK0)
+    proc = torchrun(2, str(tmp_path / "run"), "--max-steps", "1", "--eval-every", "0", script=script)
+    assert proc.returncode == 0, proc.stderr[-3000:]  # rank 1 waited 15 s on the store, not in a 10 s collective
+    assert len(read_metrics(str(tmp_path / "run"))) == 1
+
+
+def test_hsdp_two_replicas_of_two_shards_match_one_rank_and_resume_as_fsdp_on_four(six_steps, tmp_path):
+    hsdp, fsdp = tmp_path / "hsdp", tmp_path / "fsdp"
+    proc = torchrun(4, str(hsdp), *SIX, "--replicas", "2", "--save-every", "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "4 rank(s) as 2 replicas x 2 shards (HSDP)" in proc.stderr  # the policy's mesh, as built
+    _assert_same_run(six_steps[0], str(hsdp), exact=False)
+    proc = torchrun(4, str(fsdp), *SIX, "--resume", str(hsdp / "checkpoints" / "step-4"))  # 2 x 2 -> 4 x 1
+    assert proc.returncode == 0 and "at step 4" in proc.stderr, proc.stderr[-3000:]
+    assert "4 rank(s) on cpu" in proc.stderr and "not restored" not in proc.stderr  # same world: RNG too
+    for x, y in zip(read_metrics(six_steps[0])[4:], read_metrics(str(fsdp)), strict=True):
+        assert x["step"] == y["step"] and x["loss"] == pytest.approx(y["loss"], rel=1e-4)
+    wa, wb = load_safetensors(os.path.join(six_steps[0], "final")), load_safetensors(str(fsdp / "final"))
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=ADAM_ATOL)
 
 
 def _hf_export_names():

@@ -23,8 +23,8 @@ import transformers
 import tyro
 
 from batches import build_batches, eval_batches, micro_batches, pair_lengths, rank_share, to_device
-from checkpoint import (CheckpointConfig, StopRequest, check_same_run, find_checkpoint, load_checkpoint,
-                        read_trainer_state, save_checkpoint)
+from checkpoint import (CheckpointConfig, StopRequest, check_same_run, find_checkpoint, finish_checkpoint,
+                        load_checkpoint, read_trainer_state, save_checkpoint)
 from data import (DataConfig, PairTokens, key_digest, load_tokenizer, load_tokens, tokenize_to_cache, write_atomic,
                   write_jsonl)
 from demo import demo_pairs, score_completion
@@ -90,6 +90,8 @@ class Config:
         if micro < 1 or self.batch_size % (micro * world_size):
             raise ValueError(f"--batch-size {self.batch_size} must be a multiple of --micro-batch-size "
                              f"({micro}) x {world_size} ranks")
+        if world_size % self.fsdp.replicas:
+            raise ValueError(f"--replicas {self.fsdp.replicas} does not divide the {world_size} ranks")
         if self.wandb_project and importlib.util.find_spec("wandb") is None:
             raise ValueError("--wandb-project needs the wandb package: pip install wandb")
 
@@ -202,7 +204,8 @@ def build_models(run: Run) -> Models:
     With --ref precompute: the reference log-probs instead, from the policy before any checkpoint is loaded."""
     cfg, make = run.cfg, lambda: transformers.AutoModelForCausalLM.from_config(run.model_config, dtype=torch.float32)
     build = lambda *a, **k: build_sharded(make, *a, run.precision.mp_policy, run.device, cfg.fsdp, **k)
-    full_model = load_full_model(cfg.model, run.model_config, cfg.seed) if run.rank == 0 else None
+    # Rank 0 alone loads the weights (None elsewhere); the others wait outside any collective, however long.
+    full_model = on_rank0(lambda: load_full_model(cfg.model, run.model_config, cfg.seed), share=False)
     policy = build(full_model).train(cfg.dropout)  # eval mode is what turns dropout off; gradients flow the same
     if cfg.dataset.packing and policy.config._attn_implementation not in ("sdpa", "eager"):  # loss._document_mask
         raise ValueError(f"--packing needs sdpa or eager attention, not {policy.config._attn_implementation!r}")
@@ -394,6 +397,7 @@ def train(cfg: Config, rank: int, world: int, device: torch.device) -> int:
         if bad_steps >= cfg.mixed_precision.max_skipped_steps:
             say(f"error: stopping at step {step + 1}: {bad_steps} consecutive steps since step "
                 f"{step + 2 - bad_steps} had a non-finite loss or gradient norm")
+            finish_checkpoint()
             log.close()
             return 1
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < run.total_steps:
@@ -401,11 +405,13 @@ def train(cfg: Config, rank: int, world: int, device: torch.device) -> int:
         stopping = peaks[1].item() > 0
         if stopping or (cfg.checkpoints.save_every and (step + 1) % cfg.checkpoints.save_every == 0):
             path = save(run, models.policy, optimizer, step + 1)
+        finish_checkpoint(wait=stopping)  # an --async-save written by now moves `latest`; stopping: wait for it
         if stopping:
             say(f"stopped by a signal after step {step + 1}: saved {path}; continue with --resume latest")
             log.close()  # and the W&B run finished: the process leaves without interpreter shutdown
             return 128 + (stop.signum or signal.SIGTERM)
     stop.restore()
+    finish_checkpoint()
     evaluate_and_sample(run, models, log, run.total_steps, t0)
     export_final(run, models.policy, log)
     return 0
@@ -429,8 +435,10 @@ def open_run_log(run: Run, models: Models) -> RunLog:
     cfg = run.cfg
     log = RunLog(cfg.out_dir, run.start_step, cfg.sampling.num_samples > 0 and len(run.eval) > 0,
                  cfg.wandb_project, asdict(cfg))
-    say(f"{cfg.model}: {sum(p.numel() for p in models.policy.parameters()) / 1e6:.1f}M params, {run.world} rank(s) "
-        f"on {run.device} ({dist.get_backend()}), {run.precision.name}, {len(run.train)} train / {len(run.eval)} "
+    mesh = next(models.policy.parameters()).device_mesh.shape  # as sharded: (ranks,), or HSDP's (replicas, shards)
+    hsdp = f" as {mesh[0]} replicas x {mesh[1]} shards (HSDP)" if len(mesh) == 2 else ""
+    say(f"{cfg.model}: {sum(p.numel() for p in models.policy.parameters()) / 1e6:.1f}M params, {run.world} rank(s)"
+        f"{hsdp} on {run.device} ({dist.get_backend()}), {run.precision.name}, {len(run.train)} train / {len(run.eval)} "
         f"eval pairs, {run.total_steps} steps x {cfg.batch_size} pairs "
         f"({cfg.batch_size // (cfg.micro_batch_size * run.world)} accumulation steps); peak host memory after "
         f"loading, GB by rank: {' '.join(f'{x:.2f}' for x in models.load_rss)}")
@@ -469,7 +477,7 @@ def save(run: Run, policy, optimizer, step: int) -> str:
              "schedule": {"lr": cfg.lr, "warmup_steps": cfg.warmup_steps, "total_steps": run.total_steps},
              "scaler": run.precision.scaler.state_dict() if run.precision.scaler else None}
     return save_checkpoint(os.path.join(cfg.out_dir, "checkpoints"), step, policy, optimizer, extra,
-                           keep_last=cfg.checkpoints.keep_last)
+                           keep_last=cfg.checkpoints.keep_last, background=cfg.checkpoints.async_save)
 
 
 # ---------------------------------------------------------------------------------------------- export
@@ -481,8 +489,7 @@ def export_final(run: Run, policy, log: RunLog) -> None:
     save_pretrained(policy, final, getattr(torch, run.cfg.export_dtype), run.tokenizer,
                     {"train_config.json": asdict(run.cfg)})
     say(f"saved {final}")
-    log.close()
-    dist.barrier()
+    on_rank0(log.close)  # only rank 0 has files (and W&B) to close; the others wait for it
 
 
 def _raise_config_error(event) -> None:
