@@ -827,7 +827,7 @@ def test_bad_input_is_one_clean_line_and_writes_nothing(tmp_path, capsys, name):
 def test_bad_input_from_the_command_line_has_no_traceback(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "chosen": "b", "rejected": 3}\n')
-    for args in (["--data", str(bad)], ["--batch-size", "30", "--micro-batch-size", "4"]):
+    for args in (["--data", str(bad)], ["--batch-size", "30", "--micro-batch-size", "4"], ["--replicas", "2"]):
         proc = subprocess.run([sys.executable, os.path.join(HERE, "train_dpo.py"), "--out-dir", str(tmp_path / "o"),
                                *ON_CPU, *args],
                               capture_output=True, text=True, timeout=120)
