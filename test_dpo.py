@@ -827,7 +827,7 @@ def test_bad_input_is_one_clean_line_and_writes_nothing(tmp_path, capsys, name):
 def test_bad_input_from_the_command_line_has_no_traceback(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "chosen": "b", "rejected": 3}\n')
-    for args in (["--data", str(bad)], ["--batch-size", "30", "--micro-batch-size", "4"], ["--replicas", "2"]):
+    for args in (["--data", str(bad)], ["--batch-size", "30", "--micro-batch-size", "4"]):
         proc = subprocess.run([sys.executable, os.path.join(HERE, "train_dpo.py"), "--out-dir", str(tmp_path / "o"),
                                *ON_CPU, *args],
                               capture_output=True, text=True, timeout=120)
@@ -1391,20 +1391,6 @@ def test_a_run_killed_during_an_async_save_resumes_from_the_last_complete_one(si
     assert sorted(os.listdir(saved)) == ["latest", "step-2", "step-4", "step-6"]
 
 
-@pytest.mark.parametrize("micro", [8, 2])  # on 2 ranks: no accumulation, and 4 accumulation steps
-def test_two_rank_torchrun_matches_one_rank(six_steps, tmp_path, micro):
-    args = ("--max-steps", "6", "--micro-batch-size", str(micro))
-    one = six_steps[0] if args == SIX else run(tmp_path, "one", *args)  # 1 rank: 2 and 8 accumulation steps
-    proc = torchrun(2, str(tmp_path / "two"), *args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    _assert_same_run(one, str(tmp_path / "two"), exact=False)  # the same tensor names, losses, weights
-    assert set(load_safetensors(os.path.join(one, "final"))) == _hf_export_names()
-
-
-def test_packing_trains_like_padding(six_steps, tmp_path):
-    _assert_same_run(six_steps[0], run(tmp_path, "packed", *SIX, "--packing"), exact=False)
-
-
 SLOW_RANK0 = """
 import functools, os, sys, time
 import fsdp_setup, train_dpo
@@ -1412,7 +1398,7 @@ train_dpo.init_distributed = functools.partial(fsdp_setup.init_distributed, time
 real = train_dpo.load_full_model
 
 def load_full_model(*args):  # rank 0's full model takes longer to load than any collective may wait
-    time.sleep(15)
+    time.sleep(12)
     return real(*args)
 
 train_dpo.load_full_model = load_full_model
@@ -1424,21 +1410,34 @@ train_dpo.exit_without_shutdown(0)
 """
 
 
-def test_a_rank0_phase_longer_than_the_collective_timeout_keeps_the_other_ranks_waiting(tmp_path):
+@pytest.mark.parametrize("micro", [8, 2])  # on 2 ranks: no accumulation, and 4 accumulation steps
+def test_two_rank_torchrun_matches_one_rank(six_steps, tmp_path, micro):
+    # With micro-batches of 8, rank 0 also takes 12 s to load the model while collectives time out after 10 s:
+    # rank 1 must wait for it on the store (fsdp_setup.on_rank0), not in a collective.
     script = tmp_path / "slow.py"
     script.write_text(SLOW_RANK0)
-    proc = torchrun(2, str(tmp_path / "run"), "--max-steps", "1", "--eval-every", "0", script=script)
-    assert proc.returncode == 0, proc.stderr[-3000:]  # rank 1 waited 15 s on the store, not in a 10 s collective
-    assert len(read_metrics(str(tmp_path / "run"))) == 1
+    proc = torchrun(2, str(tmp_path / "two"), "--max-steps", "6", "--micro-batch-size", str(micro),
+                    script=script if micro == 8 else None)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one = six_steps[0]  # 1 rank, 2 accumulation steps
+    _assert_same_run(one, str(tmp_path / "two"), exact=False)  # the same tensor names, losses, weights
+    assert set(load_safetensors(os.path.join(one, "final"))) == _hf_export_names()
 
 
-def test_hsdp_two_replicas_of_two_shards_match_one_rank_and_resume_as_fsdp_on_four(six_steps, tmp_path):
-    hsdp, fsdp = tmp_path / "hsdp", tmp_path / "fsdp"
-    proc = torchrun(4, str(hsdp), *SIX, "--replicas", "2", "--save-every", "4")
+def test_packing_trains_like_padding(six_steps, tmp_path):
+    _assert_same_run(six_steps[0], run(tmp_path, "packed", *SIX, "--packing"), exact=False)
+
+
+def test_hsdp_two_replicas_of_two_shards_match_one_rank_and_resume_as_fsdp_on_four(six_steps, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run(tmp_path, "one", "--replicas", "2")
+    assert exit_info.value.code == 2 and "--replicas 2 does not divide the 1 ranks" in capsys.readouterr().err
+    hsdp, fsdp, four = tmp_path / "hsdp", tmp_path / "fsdp", ("--max-steps", "6", "--micro-batch-size", "4")
+    proc = torchrun(4, str(hsdp), *four, "--replicas", "2", "--save-every", "4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "4 rank(s) as 2 replicas x 2 shards (HSDP)" in proc.stderr  # the policy's mesh, as built
-    _assert_same_run(six_steps[0], str(hsdp), exact=False)
-    proc = torchrun(4, str(fsdp), *SIX, "--resume", str(hsdp / "checkpoints" / "step-4"))  # 2 x 2 -> 4 x 1
+    _assert_same_run(six_steps[0], str(hsdp), exact=False, weight_atol=1e-5)  # the issue: weights within 1e-5
+    proc = torchrun(4, str(fsdp), *four, "--resume", str(hsdp / "checkpoints" / "step-4"))  # 2 x 2 -> 4 x 1
     assert proc.returncode == 0 and "at step 4" in proc.stderr, proc.stderr[-3000:]
     assert "4 rank(s) on cpu" in proc.stderr and "not restored" not in proc.stderr  # same world: RNG too
     for x, y in zip(read_metrics(six_steps[0])[4:], read_metrics(str(fsdp)), strict=True):
@@ -1559,7 +1558,7 @@ def test_nan_loss_skips_the_step_and_repeated_nans_stop_the_run(tmp_path, monkey
 
 def test_fp16_overflows_with_a_finite_loss_do_not_count_toward_max_skipped_steps(tmp_path, monkeypatch, capsys):
     # From the default scale of 2**16 the first step overflows: the scaler finding its scale, not a broken run.
-    out = run(tmp_path, "fp16", "--precision", "fp16", "--max-steps", "3", "--max-skipped-steps", "1")
+    out = run(tmp_path, "fp16", "--precision", "fp16", "--max-steps", "2", "--max-skipped-steps", "1")
     rows = read_metrics(out)
     assert rows[0]["skipped"] and rows[0]["loss_scale"] == 2.0**15 and not rows[1]["skipped"]
     _poison(monkeypatch, bad_calls={2})  # a non-finite loss still counts (one forward a step here)
