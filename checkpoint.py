@@ -22,6 +22,7 @@ import re
 import shutil
 import signal
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -78,8 +79,9 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: Optimizer
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     if background:
-        if "group" not in _pending:  # once, on every rank (a collective)
-            _pending["group"] = dist.new_group(backend="gloo")
+        if _pending.get("world") is not dist.group.WORLD:  # once per process group, on every rank (a collective)
+            # Its own timeout: the write's last gather waits for the slowest rank's shards to reach the disk.
+            _pending.update(world=dist.group.WORLD, group=dist.new_group(backend="gloo", timeout=timedelta(hours=6)))
         # The write's last collective gathers every rank's result before rank 0 writes the metadata, so rank 0's
         # future is done only once every rank's shards (and, written before, its RNG file) are on disk.
         _pending["write"] = (dcp.async_save(state, checkpoint_id=tmp, process_group=_pending["group"]),
@@ -92,7 +94,8 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: Optimizer
     return path
 
 
-_pending = {}  # "write": (future, publish) of the checkpoint being written in the background; "group": its own
+_pending = {}  # "write": (future, publish) of the checkpoint written in the background; "group": its gloo group,
+# made for the process group "world"
 
 
 def finish_checkpoint(wait: bool = True) -> None:

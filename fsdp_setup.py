@@ -103,8 +103,8 @@ def on_rank0(fn, share: bool = True):
     if dist.get_rank() == 0:
         try:
             result = fn()
-        except Exception as e:  # the other ranks must hear of any failure, or they wait for as long as it takes
-            store.set(key, pickle.dumps((None, str(e), isinstance(e, ValueError))))
+        except BaseException as e:  # the other ranks must hear of any failure (Ctrl-C too), or they wait on
+            store.set(key, pickle.dumps((None, str(e) or type(e).__name__, isinstance(e, ValueError))))
             raise
         store.set(key, pickle.dumps((result if share else None, None, False)))
         return result
@@ -196,8 +196,7 @@ def apply_fsdp(model: nn.Module, mp_policy: MixedPrecisionPolicy, device: torch.
         raise ValueError(f"--replicas {replicas} does not divide the {world} ranks")
     # An explicit mesh: FSDP2's default mesh takes CUDA whenever a GPU is visible, even for a CPU model. With
     # a 2D mesh fully_shard shards over the last dimension and replicates over the first.
-    mesh = init_device_mesh(device.type, (world,)) if replicas == 1 else init_device_mesh(
-        device.type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh(device.type, (world,)) if replicas == 1 else _hsdp_mesh(device.type, replicas)
     if frozen:
         model.requires_grad_(False).eval()
     # A frozen model has no backward, which is what reshards a block kept gathered after forward: it always
@@ -207,6 +206,20 @@ def apply_fsdp(model: nn.Module, mp_policy: MixedPrecisionPolicy, device: torch.
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward or frozen)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=True if frozen else None)
     return model
+
+
+def _hsdp_mesh(device_type: str, replicas: int):
+    """The (replicas, world / replicas) mesh, made once per process group: the policy and the reference share
+    its subgroups (each new one is another set of communicators)."""
+    key = (dist.group.WORLD, device_type, replicas)
+    if key not in _meshes:
+        _meshes.clear()
+        _meshes[key] = init_device_mesh(device_type, (replicas, dist.get_world_size() // replicas),
+                                        mesh_dim_names=("replicate", "shard"))
+    return _meshes[key]
+
+
+_meshes = {}
 
 
 @contextlib.contextmanager

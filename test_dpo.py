@@ -340,6 +340,9 @@ def test_packed_layout_fills_rows_up_to_the_budget_and_restarts_positions_per_se
         assert batch["score_targets"][batch["score_rows"] == i].tolist() == response
         assert (row < batch["chosen_rows"]) == (i < len(pairs))  # chosen sequences fill the first rows
     assert batch["chosen_scored"] == sum(len(p["chosen"]) for p in pairs)
+    with pytest.raises(ValueError, match="sliding window of 64 tokens"):  # a mask that would drop the window
+        train_dpo._check_packing(transformers.MistralConfig(sliding_window=64), max_length=128)
+    train_dpo._check_packing(transformers.MistralConfig(sliding_window=128), max_length=128)  # never reached
     g = random.Random(0)  # the packing itself: every sequence once, within the budget, in few rows
     for _ in range(500):
         lengths, budget = [g.randint(1, 300) for _ in range(g.randint(1, 12))], g.randint(50, 400)
@@ -1389,6 +1392,18 @@ def test_a_run_killed_during_an_async_save_resumes_from_the_last_complete_one(si
     run(tmp_path, "run", *SIX, "--save-every", "2", "--async-save", "--resume", "latest")
     _assert_same_run(six_steps[0], str(out))
     assert sorted(os.listdir(saved)) == ["latest", "step-2", "step-4", "step-6"]
+
+
+def test_background_saves_work_in_one_process_group_after_another(tmp_path):
+    import checkpoint
+    for i in range(2):  # the write's own gloo group belongs to the process group it was made in
+        with world_of_one():
+            model, _, _ = sharded_tiny(seed=0)
+            optimizer = torch.optim.AdamW(model.parameters())
+            checkpoint.save_checkpoint(str(tmp_path / str(i)), 1, model, optimizer, {"step": 1}, background=True)
+            checkpoint.finish_checkpoint()
+        assert (tmp_path / str(i) / "latest").read_text() == "step-1"
+        assert checkpoint.read_trainer_state(str(tmp_path / str(i) / "step-1")) == {"step": 1, "world_size": 1}
 
 
 SLOW_RANK0 = """

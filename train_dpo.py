@@ -156,6 +156,8 @@ def setup_run(cfg: Config, rank: int, world: int, device: torch.device) -> Run:
     max_positions = getattr(model_config, "max_position_embeddings", None)
     if max_positions and cfg.dataset.max_length > max_positions:
         raise ValueError(f"--max-length {cfg.dataset.max_length} exceeds the model's {max_positions} positions")
+    if cfg.dataset.packing:  # loss._document_mask: full causal attention within each sequence
+        _check_packing(model_config, cfg.dataset.max_length)
     demo = cfg.dataset.data in ((), ("demo",), ("demo:sft",))
     data_cfg = _demo_data(cfg) if demo else cfg.dataset
     train, evals, data = load_tokens(on_rank0(lambda: tokenize_to_cache(data_cfg, tokenizer, say)))
@@ -207,8 +209,6 @@ def build_models(run: Run) -> Models:
     # Rank 0 alone loads the weights (None elsewhere); the others wait outside any collective, however long.
     full_model = on_rank0(lambda: load_full_model(cfg.model, run.model_config, cfg.seed), share=False)
     policy = build(full_model).train(cfg.dropout)  # eval mode is what turns dropout off; gradients flow the same
-    if cfg.dataset.packing and policy.config._attn_implementation not in ("sdpa", "eager"):  # loss._document_mask
-        raise ValueError(f"--packing needs sdpa or eager attention, not {policy.config._attn_implementation!r}")
     online = not cfg.objective.reference_free and cfg.ref == "online"
     reference = build(full_model, frozen=True) if online else None
     del full_model
@@ -216,6 +216,17 @@ def build_models(run: Run) -> Models:
     precompute = not cfg.objective.reference_free and cfg.ref == "precompute"
     tables = load_or_precompute_ref(run, policy) if precompute else (None, None)
     return Models(policy, reference, *tables, rss, flop_coefficients(policy))
+
+
+def _check_packing(config, max_length: int) -> None:
+    """--packing's mask replaces the model's own: refuse attention kinds it cannot stand in for."""
+    attention = config._attn_implementation or "sdpa"  # None: transformers' default, sdpa where it can
+    if attention not in ("sdpa", "eager"):
+        raise ValueError(f"--packing needs sdpa or eager attention, not {attention!r}")
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if window and window < max_length:
+        raise ValueError(f"--packing: the model attends within a sliding window of {window} tokens, shorter than "
+                         f"--max-length {max_length}; the packing mask would drop it")
 
 
 def load_model_config(name: str):
@@ -524,6 +535,8 @@ def exit_without_shutdown(code: int | str | None) -> None:
     the process (SIGABRT, "terminate called without an active exception"; 2-rank CPU runs, about 1 in 10
     under load) after a run that wrote everything. Every file is closed by then; metrics rows are
     line-buffered."""
+    if isinstance(code, str):  # sys.exit("message") prints it
+        print(code, file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code if isinstance(code, int) else int(code is not None))
