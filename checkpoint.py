@@ -10,8 +10,9 @@ Copyable on its own: imports only the standard library and torch.
     load_checkpoint(path, model, optimizer)                # any world size: DCP reshards on load
     stop = StopRequest()                                   # SIGTERM/SIGINT: finish the step, save, exit
 
-A checkpoint folder holds the model and optimizer shards (DCP), trainer_state.json (the caller's extra plus
-the world size) and rng-rank{r}.pt per rank (torch CPU, the rank's own GPU and Python generator states).
+A checkpoint folder holds the model and optimizer shards (DCP; frozen weights, such as LoRA's base, are left
+out), trainer_state.json (the caller's extra plus the world size) and rng-rank{r}.pt per rank (torch CPU, the
+rank's own GPU and Python generator states).
 """
 
 import json
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
 _STATE = "trainer_state.json"
@@ -76,8 +77,7 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: Optimizer
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
     torch.save(rng, os.path.join(tmp, f"rng-rank{rank}.pt"))
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    state = _trained_state(model, optimizer)
     if background:
         if _pending.get("world") is not dist.group.WORLD:  # once per process group, on every rank (a collective)
             # Its own timeout: the write's last gather waits for the slowest rank's shards to reach the disk.
@@ -154,10 +154,10 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizer) -> bool:
     Restores this rank's RNG states when the world size is unchanged (returns True); a different world
     size has no one-to-one mapping of ranks, so the generators are left as they are (returns False).
     """
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    state = _trained_state(model, optimizer)
+    dcp.load(state, checkpoint_id=path)  # fails naming any key of `state` the checkpoint lacks
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=False))  # frozen weights are the model's own, not loaded
     if read_trainer_state(path)["world_size"] != dist.get_world_size():
         return False
     rng = torch.load(os.path.join(path, f"rng-rank{dist.get_rank()}.pt"), weights_only=True)
@@ -167,6 +167,14 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizer) -> bool:
     if isinstance(rng["cuda"], torch.Tensor) and device.type == "cuda":  # older checkpoints: a list
         torch.cuda.set_rng_state(rng["cuda"], device)
     return True
+
+
+def _trained_state(model: nn.Module, optimizer: Optimizer) -> dict:
+    """The model's state without its frozen weights (LoRA's base: they never change, and a resumed run loads
+    them from the model itself), and the optimizer's."""
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    return {"model": {k: v for k, v in model_state.items() if k not in frozen}, "optim": optim_state}
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -163,12 +163,14 @@ def build_sharded(make_model, full_model: nn.Module | None, mp_policy: MixedPrec
                   config: FSDPConfig, frozen: bool = False) -> nn.Module:
     """make_model() built on the meta device (no memory), each block checkpointed (config, not when frozen) and
     compiled (config), sharded, then filled from rank 0's `full_model` (None on other ranks). frozen=True: a
-    reference, its weights stored in mp_policy's compute dtype."""
+    reference. Its weights, like any that make_model() made frozen (requires_grad False), are stored in
+    mp_policy's compute dtype."""
     with torch.device("meta"):
         model = make_model()
-    if frozen and mp_policy.param_dtype is not None:  # weights that never change need no float32 master copy:
-        for param in model.parameters():              # kept in the compute dtype, gathered without a cast
-            param.data = param.data.to(mp_policy.param_dtype)
+    if mp_policy.param_dtype is not None:  # weights that never change (a reference, LoRA's frozen base) need no
+        for param in model.parameters():   # float32 master copy: kept in the compute dtype, gathered without a cast
+            if frozen or not param.requires_grad:
+                param.data = param.data.to(mp_policy.param_dtype)
     if config.activation_checkpointing and not frozen:
         apply_ac(model)
     if config.compile:
@@ -263,27 +265,38 @@ def gather_full_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -
     for name, param in model.named_parameters(remove_duplicate=False):
         if name in state:
             state[name] = state[first.setdefault(id(param), name)]
-    if dtype is not None:  # each tensor once, so aliases stay one tensor
-        unique = {id(v): v for v in state.values() if v.is_floating_point()}
-        cast = {i: v.to(dtype) for i, v in unique.items()}
-        state = {k: cast.get(id(v), v) for k, v in state.items()}
-    return state
+    return _cast(state, dtype) if dtype is not None else state
+
+
+def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Floating tensors cast to `dtype`, each once, so aliases stay one tensor."""
+    unique = {id(v): v for v in state.values() if v.is_floating_point()}
+    cast = {i: v.to(dtype) for i, v in unique.items()}
+    return {k: cast.get(id(v), v) for k, v in state.items()}
 
 
 def save_pretrained(model: nn.Module, folder: str, dtype: torch.dtype, tokenizer=None,
-                    extra: dict | None = None) -> None:
+                    extra: dict | None = None, merge=None) -> None:
     """A sharded Hugging Face model as a save_pretrained folder: weights gathered in `dtype` (the same tensor
     names as the model's own save_pretrained), its config recording that dtype, the tokenizer, and each
-    {file name: JSON-able} of `extra`. Call on every rank; rank 0 writes."""
-    state = gather_full_state_dict(model, dtype)
+    {file name: JSON-able} of `extra`. merge: state -> (model, state), applied on rank 0 to the float32 state
+    before the cast, returns the model to write it with (e.g. LoRA adapters folded into the base model's
+    weights). Call on every rank; rank 0 writes."""
+    state = gather_full_state_dict(model, torch.float32 if merge else dtype)
 
     def write():  # rank 0; the others wait on the store, however long the files take
-        model.save_pretrained(folder, state_dict=state)
-        model.config.dtype = dtype  # save_pretrained records the float32 masters' dtype; record the export's
-        model.config.save_pretrained(folder)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(folder)
-        for name, obj in (extra or {}).items():
-            with open(os.path.join(folder, name), "w") as f:
-                json.dump(obj, f, indent=2)
+        writer, weights = merge(state) if merge else (model, state)
+        writer.save_pretrained(folder, state_dict=_cast(weights, dtype))
+        writer.config.dtype = dtype  # save_pretrained records the float32 masters' dtype; record the export's
+        writer.config.save_pretrained(folder)
+        save_files(folder, tokenizer, extra)
     on_rank0(write, share=False)
+
+
+def save_files(folder: str, tokenizer=None, extra: dict | None = None) -> None:
+    """The tokenizer's files and each {file name: JSON-able} of `extra`, into `folder`: call on one rank."""
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    for name, obj in (extra or {}).items():
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(obj, f, indent=2)

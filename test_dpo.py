@@ -36,6 +36,7 @@ from batches import build_batches, build_eval_batches, collate_pairs, pair_lengt
 from data import DataConfig, DataError, PairTokens, load_tokens, read_rows, tokenize_pairs, tokenize_to_cache, write_jsonl
 from demo import demo_pairs, score_completion
 from fsdp_setup import apply_ac, find_block_class, gather_full_state_dict
+from lora import LoraConfig, WithoutAdapters
 from loss import model_logps, preference_loss, sequence_logps
 from metrics import PAIR_METRICS, device_peak_flops
 from precision import PrecisionConfig, clip_and_step, resolve_precision
@@ -113,6 +114,11 @@ def torchrun(nproc, out, *args, script=None, device="cpu", env=None):
 
 def load_safetensors(folder):
     return load_safetensors_file(os.path.join(folder, "model.safetensors"))
+
+
+def _adapters(out):
+    """A LoRA run's exported adapters."""
+    return load_safetensors_file(os.path.join(out, "final", "adapter_model.safetensors"))
 
 
 def load_safetensors_file(path):
@@ -422,22 +428,26 @@ def test_fused_head_log_probs_match_float32_oracle_across_chunks_and_keep_no_log
     assert sum(t.numel() for t in saved if t.data_ptr() not in (h.data_ptr(), w.data_ptr())) == 2 * 10
 
 
-@pytest.mark.parametrize("loss, online", [("dpo", True), ("dpo", False), ("sft", False)])
-def test_logged_flops_match_pytorch_flop_counter(loss, online):
+@pytest.mark.parametrize("loss, online, lora_rank", [("dpo", True, 0), ("dpo", False, 0), ("sft", False, 0),
+                                                     ("dpo", True, 4)])
+def test_logged_flops_match_pytorch_flop_counter(loss, online, lora_rank):
     from types import SimpleNamespace
     from torch.utils.flop_counter import FlopCounterMode
     config, tok = train_dpo.load_model_config("tiny")
     config._attn_implementation = "eager"  # attention as matmuls, which the counter sees (CPU SDPA it does not)
-    policy = train_dpo.load_full_model("tiny", config, 0)
-    reference = copy.deepcopy(policy).eval().requires_grad_(False) if online else None
-    batch = collate_pairs(tokenize(demo_pairs("train")[:4], tok, 128, 64), tok.pad_token_id)
     objective = train_dpo.LossConfig(loss=loss)
+    cfg = train_dpo.Config(objective=objective, lora=LoraConfig(lora_rank=lora_rank))
+    policy = train_dpo.adapt(cfg, train_dpo.load_full_model("tiny", config, 0))
+    # LoRA: the reference is the policy with its adapters off, and the backward makes no base weight gradient
+    reference = None if not online else WithoutAdapters(policy) if lora_rank else \
+        copy.deepcopy(policy).eval().requires_grad_(False)
+    batch = collate_pairs(tokenize(demo_pairs("train")[:4], tok, 128, 64), tok.pad_token_id)
     ref_logps = None if online or loss == "sft" else torch.zeros(len(batch["input_ids"]))  # --ref precompute
     with FlopCounterMode(display=False) as counter:
         out = train_dpo.forward_pairs(policy, reference, batch, objective, ref_logps, tokens_per_pair=10.0)
         out["losses"].sum().backward()
     models = SimpleNamespace(flops=metrics.flop_coefficients(policy), reference=reference)
-    ours = train_dpo._flops(models, batch, objective.pairwise)
+    ours = train_dpo._flops(models, batch, cfg)
     # Equal on the CPU path; on a GPU the counter would also see the fused head recompute its logits in
     # backward, which model FLOPs leave out.
     assert ours == pytest.approx(counter.get_total_flops(), rel=0.1)
@@ -1280,14 +1290,23 @@ def test_ref_precompute_matches_online_reference_and_is_cached_by_its_inputs(tmp
     (name,) = [f for f in os.listdir(cache) if f.startswith("ref-")]
     table = load_safetensors_file(str(cache / name))
     assert table["train"].shape == (128, 2) and table["eval"].shape == (32, 2) and table["train"].lt(0).all()
-    # Two ranks each fill their own rows; the sum over ranks puts every pair's values in place exactly once.
-    proc = torchrun(2, str(tmp_path / "two"), *data, "--ref", "precompute", "--cache-dir", str(tmp_path / "c2"))
+    # Two ranks each fill their own rows; the sum over ranks puts every pair's values in place exactly once. The
+    # two ranks train LoRA (with activation checkpointing): its reference, the base model with the adapters off,
+    # is the same table. (Here, not in a test of its own, to keep the suite's torchrun starts few.)
+    lora = ("--lora-rank", "8", "--activation-checkpointing")
+    proc = torchrun(2, str(tmp_path / "two"), *data, *lora, "--ref", "precompute", "--cache-dir", str(tmp_path / "c2"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     for split, values in load_safetensors_file(str(tmp_path / "c2" / name)).items():
         torch.testing.assert_close(values, table[split], rtol=1e-5, atol=1e-5)
-    # Reused by another run with the same inputs, and recomputed when an input changes: here the length limit.
-    run(tmp_path, "again", *data, "--ref", "precompute", "--cache-dir", str(cache))
+    # Reused by another run with the same inputs (LoRA too), and recomputed when an input changes: the length limit.
+    one = run(tmp_path, "again", *data, *lora, "--ref", "precompute", "--cache-dir", str(cache))
     assert f"{name} (cached)" in capsys.readouterr().err
+    for x, y in zip(read_metrics(one), read_metrics(tmp_path / "two"), strict=True):  # LoRA: 1 rank and 2 agree
+        assert {k: x[k] for k in PAIR_METRICS} == pytest.approx({k: y[k] for k in PAIR_METRICS}, rel=1e-4, abs=1e-6)
+    adapters_one, adapters_two = _adapters(one), _adapters(tmp_path / "two")
+    assert adapters_one.keys() == adapters_two.keys() and len(adapters_one) == 4 * 7 * 2
+    for k in adapters_one:
+        torch.testing.assert_close(adapters_two[k], adapters_one[k], rtol=0, atol=1e-5)
     run(tmp_path, "short", *data, "--ref", "precompute", "--cache-dir", str(cache), "--max-length", "40",
         "--max-prompt-length", "20")
     assert "reference log-probs: computed" in capsys.readouterr().err
@@ -1791,8 +1810,123 @@ def test_wandb_gets_the_same_rows_and_a_clear_error_when_missing(tmp_path, monke
     assert not (tmp_path / "missing").exists()
 
 
+# ---------------------------------------------------------------------------------------------- LoRA (lora.py)
+def sharded_lora(seed, precision="fp32", rank=4):
+    """The trainer's LoRA path: adapters on the meta-device model and on rank 0's full one, then sharded."""
+    config, tok = train_dpo.load_model_config("tiny")
+    cfg = train_dpo.Config(lora=LoraConfig(lora_rank=rank), seed=seed)
+    make = lambda: train_dpo.adapt(cfg, transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+    full = train_dpo.adapt(cfg, train_dpo.load_full_model("tiny", config, seed))
+    mp_policy = resolve_precision(PrecisionConfig(precision), CPU).mp_policy
+    return fsdp_setup.build_sharded(make, full, mp_policy, CPU, cfg.fsdp), tok
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_lora_reference_is_the_base_model_exactly_and_only_the_adapters_train(precision):
+    with world_of_one():
+        policy, tok = sharded_lora(3, precision)
+        dtypes = {(p.dtype, p.requires_grad) for p in policy.parameters()}
+        compute = resolve_precision(PrecisionConfig(precision), CPU).compute_dtype
+        assert dtypes == {(compute, False), (torch.float32, True)}  # frozen base in the compute dtype; fp32 adapters
+        # The reference to match: fp32, the plain Hugging Face model; bf16, full fine-tuning's frozen reference.
+        base = tiny(3)[0] if precision == "fp32" else sharded_tiny(3, precision, frozen=True)[0]
+        batch = collate_pairs(tokenize(demo_pairs("train")[:4], tok, 128, 64), tok.pad_token_id)
+        with torch.no_grad():
+            expected = model_logps(base, batch)
+            torch.testing.assert_close(model_logps(WithoutAdapters(policy), batch), expected, rtol=0, atol=0)
+        before = {k: v.clone() for k, v in gather_full_state_dict(policy).items()}  # on CPU: views of the weights
+        optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2, weight_decay=0)
+        for step in range(2):
+            out = train_dpo.forward_pairs(policy, WithoutAdapters(policy), batch, train_dpo.LossConfig())
+            if step == 0:  # B starts at 0: the policy is its own reference, every pair's loss is ln 2
+                torch.testing.assert_close(out["losses"], torch.full((4,), math.log(2)), rtol=0, atol=1e-6)
+            out["losses"].mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        after = gather_full_state_dict(policy)
+        moved = {k for k in before if not torch.equal(before[k], after[k])}
+        assert moved == {k for k in before if ".lora_" in k}  # every A and B moved; every base weight is as it was
+        with torch.no_grad():
+            torch.testing.assert_close(model_logps(WithoutAdapters(policy), batch), expected, rtol=0, atol=0)
+
+
+LORA = ("--lora-rank", "8", "--lora-alpha", "16")  # scale alpha / rank = 2
+
+
+@pytest.fixture(scope="module")
+def lora_six(tmp_path_factory):
+    """A 1-rank LoRA run of 6 steps (SIX), checkpointed every 2."""
+    return run(tmp_path_factory.mktemp("lora"), "run", *SIX, *LORA, "--save-every", "2")
+
+
+def test_lora_run_starts_at_ln2_checkpoints_only_adapters_and_exports_a_peft_folder(lora_six):
+    import peft
+    from torch.distributed.checkpoint import FileSystemReader
+    rows = read_metrics(lora_six)
+    assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and rows[-1]["loss"] < rows[0]["loss"] - 0.05
+    saved = FileSystemReader(os.path.join(lora_six, "checkpoints", "step-4")).read_metadata().state_dict_metadata
+    weights = [k for k in saved if k.startswith("model.")]
+    assert len(weights) == 4 * 7 * 2 and all(".lora_A." in k or ".lora_B." in k for k in weights)  # no base weight
+    final = os.path.join(lora_six, "final")
+    config = json.load(open(os.path.join(final, "adapter_config.json")))
+    assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (8, 16, 0)
+    assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    loaded = peft.PeftModel.from_pretrained(tiny(0)[0], final)  # the base is the tiny model of --seed 0
+    for name, p in loaded.named_parameters():
+        if ".lora_" in name:  # peft's names carry the adapter's, the file's do not
+            torch.testing.assert_close(p, _adapters(lora_six)[name.replace(".default", "")], rtol=0, atol=0)
+
+
+def test_lora_resume_is_bit_exact_and_the_merged_export_is_w_plus_scaled_ba(lora_six, tmp_path):
+    import peft
+    out = tmp_path / "resumed"
+    shutil.copytree(os.path.join(lora_six, "checkpoints"), out / "checkpoints")
+    (out / "checkpoints" / "latest").write_text("step-4")
+    run(tmp_path, "resumed", *SIX, *LORA, "--resume", "latest", "--export-merged")
+    for split in ("train", "eval"):
+        for x, y in zip(read_metrics(lora_six, split)[-2 if split == "train" else -1:], read_metrics(out, split),
+                        strict=True):
+            assert {k: x[k] for k in PAIR_METRICS} == {k: y[k] for k in PAIR_METRICS}  # bit for bit
+    base, adapters, merged = tiny(0)[0].state_dict(), _adapters(lora_six), load_safetensors(out / "final")
+    adapted = 0
+    for name, w in merged.items():
+        a = adapters.get(f"base_model.model.{name[:-len('.weight')]}.lora_A.weight")
+        if a is None:  # not adapted: still the base model's weight, bit for bit
+            torch.testing.assert_close(w, base[name], rtol=0, atol=0)
+            continue
+        b, adapted = adapters[f"base_model.model.{name[:-len('.weight')]}.lora_B.weight"], adapted + 1
+        torch.testing.assert_close(w, base[name] + (16 / 8) * b @ a, rtol=0, atol=1e-6)  # W + (alpha / r) B A
+    assert adapted == 4 * 7
+    x = torch.tensor([list(range(3, 40))])
+    with torch.no_grad():
+        as_adapter = peft.PeftModel.from_pretrained(tiny(0)[0], os.path.join(lora_six, "final"))(input_ids=x).logits
+        as_merged = transformers.AutoModelForCausalLM.from_pretrained(out / "final")(input_ids=x).logits
+    torch.testing.assert_close(as_merged, as_adapter, rtol=0, atol=1e-5)
+
+
+def test_lora_flags_fail_with_one_line(tmp_path, capsys, monkeypatch):
+    import lora
+    for args, message in ((["--export-merged"], "--export-merged needs --lora-rank"),
+                          (["--lora-rank", "4", "--lora-targets", "qkv"], "--lora-targets qkv: Target modules {'qkv'} "
+                                                                            "not found in the base model"),
+                          (["--lora-rank", "-1"], "--lora-rank must be >= 0"),
+                          (["--lora-rank", "4", "--lora-dropout", "0.1"], "--lora-dropout needs --dropout")):
+        with pytest.raises(SystemExit) as exit_:
+            run(tmp_path, "bad", "--max-steps", "1", *args)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and f"error: {message}" in err and "Traceback" not in err, err
+    monkeypatch.setitem(sys.modules, "peft", None)  # as if peft were not installed
+    with pytest.raises(SystemExit):
+        run(tmp_path, "bad", "--max-steps", "1", "--lora-rank", "4")
+    assert "error: --lora-rank needs the peft package: pip install peft" in capsys.readouterr().err
+    with pytest.raises(ImportError, match="pip install peft"):
+        lora.import_peft()
+    assert not (tmp_path / "bad").exists()  # nothing written
+
+
 # ---------------------------------------------------------------------------------------------- copyability
-CONCERN_FILES = ["loss.py", "precision.py", "fsdp_setup.py", "data.py", "checkpoint.py", "metrics.py", "demo.py"]
+CONCERN_FILES = ["loss.py", "precision.py", "fsdp_setup.py", "data.py", "checkpoint.py", "metrics.py", "demo.py",
+                 "lora.py"]
 
 
 def test_concern_files_import_only_stdlib_and_torch():  # data.py: transformers; optional extras inside functions

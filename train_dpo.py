@@ -28,7 +28,9 @@ from checkpoint import (CheckpointConfig, StopRequest, check_same_run, find_chec
 from data import (DataConfig, PairTokens, key_digest, load_tokenizer, load_tokens, tokenize_to_cache, write_atomic,
                   write_jsonl)
 from demo import demo_pairs, score_completion
-from fsdp_setup import FSDPConfig, build_sharded, inference, init_distributed, on_rank0, save_pretrained
+from fsdp_setup import (FSDPConfig, build_sharded, find_block_class, inference, init_distributed, on_rank0, save_files,
+                        save_pretrained)
+from lora import LoraConfig, WithoutAdapters, add_adapters, gather_adapters, merge_adapters
 from loss import LossConfig, forward_pairs, model_logps
 from metrics import (PAIR_METRICS, RunLog, flop_coefficients, forward_flops, host_memory_by_rank_gb, mfu, pair_means,
                      pair_sums, peak_memory_gb, say, show_progress, step_metrics)
@@ -40,11 +42,13 @@ from samples import SampleConfig, sample_completions
 @dataclass
 class Config:
     model: str = "tiny"
-    """Hub id, local folder, or "tiny" (random-init Llama, byte tokenizer, no download). Reference: a frozen copy."""
+    """Hub id, local folder, or "tiny" (random-init Llama, byte tokenizer, no download). Reference: a frozen copy
+    (with --lora-rank: the same model, adapters off)."""
     dataset: Annotated[DataConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=DataConfig)
     objective: Annotated[LossConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=LossConfig)
     mixed_precision: Annotated[PrecisionConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=PrecisionConfig)
     fsdp: Annotated[FSDPConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=FSDPConfig)
+    lora: Annotated[LoraConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=LoraConfig)
     sampling: Annotated[SampleConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=SampleConfig)
     checkpoints: Annotated[CheckpointConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=CheckpointConfig)
     ref: Literal["online", "precompute"] = "online"
@@ -55,7 +59,8 @@ class Config:
     micro_batch_size: int | None = None
     """Pairs per rank per forward (2x rows). Default: batch-size / ranks. Accumulation = batch / (micro x ranks)."""
     lr: float | None = None
-    """Peak learning rate. Default: 1e-3 for --model tiny (trained from scratch), else 5e-7 (DPO paper)."""
+    """Peak learning rate. Default: 1e-3 for --model tiny (trained from scratch), else 5e-7 (DPO paper), or 5e-6
+    with --lora-rank (TRL's LoRA DPO example)."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
     warmup_steps: int = 10
@@ -94,6 +99,11 @@ class Config:
             raise ValueError(f"--replicas {self.fsdp.replicas} does not divide the {world_size} ranks")
         if self.wandb_project and importlib.util.find_spec("wandb") is None:
             raise ValueError("--wandb-project needs the wandb package: pip install wandb")
+        if self.lora.lora_rank and importlib.util.find_spec("peft") is None:
+            raise ValueError("--lora-rank needs the peft package: pip install peft")
+        if self.lora.lora_dropout and not self.dropout:  # the policy trains in eval mode without --dropout
+            raise ValueError("--lora-dropout needs --dropout: dropout runs only in train mode, which --dropout turns "
+                             "on (the model's own dropout too, where its config has any)")
 
 
 # What makes two runs the same run: resuming with any of these changed is refused. Everything else may change
@@ -104,7 +114,8 @@ _SAME_RUN = {"model": "--model", "data": "--data", "data_sha256": "the tokenized
              "max_prompt_length": "--max-prompt-length", "truncation": "--truncation",
              "group_by_length": "--group-by-length", "loss": "--loss", "beta": "--beta",
              "label_smoothing": "--label-smoothing", "simpo_gamma": "--simpo-gamma", "discopop_tau": "--discopop-tau",
-             "sft_weight": "--sft-weight", "average_logps": "mean log-probs (--ipo-logps)"}
+             "sft_weight": "--sft-weight", "average_logps": "mean log-probs (--ipo-logps)", "lora_rank": "--lora-rank",
+             "lora_alpha": "--lora-alpha", "lora_targets": "--lora-targets"}
 
 
 # ---------------------------------------------------------------------------------------------- setup
@@ -147,7 +158,7 @@ def setup_run(cfg: Config, rank: int, world: int, device: torch.device) -> Run:
     """Validate the config and resolve its defaults, read (rank 0 tokenizes) the data, read the resume state.
     Raises ValueError, naming the flag or the file, for anything the user must fix."""
     cfg.validate(world)
-    lr = cfg.lr if cfg.lr is not None else (1e-3 if cfg.model == "tiny" else 5e-7)
+    lr = cfg.lr if cfg.lr is not None else 1e-3 if cfg.model == "tiny" else 5e-6 if cfg.lora.lora_rank else 5e-7
     cfg = replace(cfg, lr=lr, micro_batch_size=cfg.micro_batch_size or cfg.batch_size // world)
     precision = resolve_precision(cfg.mixed_precision, device)
     if precision.warning:
@@ -158,6 +169,9 @@ def setup_run(cfg: Config, rank: int, world: int, device: torch.device) -> Run:
         raise ValueError(f"--max-length {cfg.dataset.max_length} exceeds the model's {max_positions} positions")
     if cfg.dataset.packing:  # loss._document_mask: full causal attention within each sequence
         _check_packing(model_config, cfg.dataset.max_length)
+    if cfg.lora.lora_rank:  # a bad --lora-targets fails here, before rank 0 loads any weights
+        with torch.device("meta"):
+            adapt(cfg, transformers.AutoModelForCausalLM.from_config(model_config))
     demo = cfg.dataset.data in ((), ("demo",), ("demo:sft",))
     data_cfg = _demo_data(cfg) if demo else cfg.dataset
     train, evals, data = load_tokens(on_rank0(lambda: tokenize_to_cache(data_cfg, tokenizer, say)))
@@ -168,6 +182,7 @@ def setup_run(cfg: Config, rank: int, world: int, device: torch.device) -> Run:
     if cfg.checkpoints.resume:
         path = find_checkpoint(os.path.join(cfg.out_dir, "checkpoints"), cfg.checkpoints.resume)
         saved = {**read_trainer_state(path), "path": path}
+        saved["config"].setdefault("lora", asdict(LoraConfig()))  # saved before LoRA existed: full fine-tuning
         current = json.loads(json.dumps(_identity(cfg, data)))  # tuples as saved
         check_same_run(saved, current, _SAME_RUN)
     steps_per_epoch = len(train) // cfg.batch_size
@@ -194,7 +209,7 @@ def _demo_data(cfg: Config) -> DataConfig:
 @dataclass
 class Models:
     policy: torch.nn.Module
-    reference: torch.nn.Module | None  # None with --ref precompute or a reference-free loss
+    reference: torch.nn.Module | None  # None with --ref precompute or a reference-free loss; LoRA: the policy's base
     ref_train: torch.Tensor | None  # (N, 2) summed [chosen, rejected] reference log-probs, with --ref precompute
     ref_eval: torch.Tensor | None
     load_rss: list[float]  # every rank's peak host memory (GB) once the models were loaded
@@ -203,19 +218,26 @@ class Models:
 
 def build_models(run: Run) -> Models:
     """The policy and (--ref online) a frozen reference, sharded the same way; only rank 0 loads the weights.
-    With --ref precompute: the reference log-probs instead, from the policy before any checkpoint is loaded."""
-    cfg, make = run.cfg, lambda: transformers.AutoModelForCausalLM.from_config(run.model_config, dtype=torch.float32)
+    With --ref precompute: the reference log-probs instead, from the policy before any checkpoint is loaded.
+    With --lora-rank the policy carries the adapters, and its base (adapters off) is the reference."""
+    cfg = run.cfg
+    make = lambda: adapt(cfg, transformers.AutoModelForCausalLM.from_config(run.model_config, dtype=torch.float32))
     build = lambda *a, **k: build_sharded(make, *a, run.precision.mp_policy, run.device, cfg.fsdp, **k)
     # Rank 0 alone loads the weights (None elsewhere); the others wait outside any collective, however long.
-    full_model = on_rank0(lambda: load_full_model(cfg.model, run.model_config, cfg.seed), share=False)
+    full_model = on_rank0(lambda: adapt(cfg, load_full_model(cfg.model, run.model_config, cfg.seed)), share=False)
     policy = build(full_model).train(cfg.dropout)  # eval mode is what turns dropout off; gradients flow the same
     online = not cfg.objective.reference_free and cfg.ref == "online"
-    reference = build(full_model, frozen=True) if online else None
+    reference = (WithoutAdapters(policy) if cfg.lora.lora_rank else build(full_model, frozen=True)) if online else None
     del full_model
     rss = host_memory_by_rank_gb(run.device)
     precompute = not cfg.objective.reference_free and cfg.ref == "precompute"
     tables = load_or_precompute_ref(run, policy) if precompute else (None, None)
     return Models(policy, reference, *tables, rss, flop_coefficients(policy))
+
+
+def adapt(cfg: Config, model):
+    """`model` with --lora-rank's adapters (a peft model whose base is frozen), or as it is (full fine-tuning)."""
+    return add_adapters(model, cfg.lora, find_block_class(model), cfg.seed) if cfg.lora.lora_rank else model
 
 
 def _check_packing(config, max_length: int) -> None:
@@ -274,19 +296,20 @@ def train_step(run: Run, models: Models, batch: list[int]) -> torch.Tensor:
         loss = out["losses"].sum() / len(mine)
         (scaler.scale(loss) if scaler else loss).backward()
         sums[:-1] += torch.cat([pair_sums(out, torch.ones(len(idx), device=run.device)), out["tokens"]])
-        flops += _flops(models, micro, cfg.objective.pairwise)
+        flops += _flops(models, micro, cfg)
     sums[-1] = flops  # a host number: computed from shapes, so no sync
     return sums
 
 
-def _flops(models: Models, micro: dict, pairwise: bool) -> float:
+def _flops(models: Models, micro: dict, cfg: Config) -> float:
     """Model FLOPs of a micro-batch: the policy's forward and backward (SFT: chosen rows only), the reference's
-    forward."""
+    forward. LoRA's backward computes no gradient of the frozen weights: one forward's worth, not two."""
     rows, length = micro["input_ids"].shape
     scored = len(micro["score_index"])
+    pairwise = cfg.objective.pairwise
     policy = (rows, length, scored) if pairwise else (micro["chosen_rows"], length, micro["chosen_scored"])
     reference = forward_flops(models.flops, rows, length, scored) if models.reference is not None else 0
-    return 3 * forward_flops(models.flops, *policy) + reference
+    return (2 if cfg.lora.lora_rank else 3) * forward_flops(models.flops, *policy) + reference
 
 
 def _ref_rows(table: torch.Tensor | None, idx: list[int]) -> torch.Tensor | None:
@@ -332,7 +355,7 @@ def evaluate_and_sample(run: Run, models: Models, log: RunLog, step: int, t0: fl
 
 def load_or_precompute_ref(run: Run, policy) -> tuple[torch.Tensor, torch.Tensor]:
     """--ref precompute: (N, 2) summed [chosen, rejected] reference log-probs of the train and eval pairs, from
-    the policy's own (still untrained) weights, cached as {cache_dir}/ref-<hash>.safetensors under a key of
+    the policy's own (still untrained; LoRA: adapters off) weights, cached as {cache_dir}/ref-<hash>.safetensors under a key of
     everything they depend on. The cache needs a file system all ranks share; rank 0 decides if it is there."""
     key = {"model": _model_identity(run.cfg.model, run.model_config, run.cfg.seed), "data": run.data["fingerprint"],
            "precision": run.precision.name}
@@ -342,12 +365,13 @@ def load_or_precompute_ref(run: Run, policy) -> tuple[torch.Tensor, torch.Tensor
         tables = safetensors.torch.load_file(path, device=str(run.device))
         return tables["train"], tables["eval"]
     t0, tables = time.perf_counter(), {}
+    reference = WithoutAdapters(policy) if run.cfg.lora.lora_rank else policy
     for split, pairs in (("train", run.train), ("eval", run.eval)):
         tables[split] = torch.zeros(len(pairs), 2, device=run.device)  # each row from one rank, 0 on the others
         with inference(policy):
             for idx, batch in eval_batches(pairs, run.cfg.micro_batch_size, run.rank, run.world, run.pad_id,
                                            run.device, run.pack_length):
-                tables[split][idx] = model_logps(policy, batch).view(2, -1).T[:len(idx)]  # (B, 2)
+                tables[split][idx] = model_logps(reference, batch).view(2, -1).T[:len(idx)]  # (B, 2)
         dist.all_reduce(tables[split])  # so the sum over ranks is exact
     if run.rank == 0:
         write_atomic(path, lambda tmp: safetensors.torch.save_file(
@@ -429,9 +453,11 @@ def train(cfg: Config, rank: int, world: int, device: torch.device) -> int:
 
 
 def build_optimizer(run: Run, policy) -> torch.optim.Optimizer:
-    """AdamW over the float32 sharded master weights; then, when resuming, the checkpoint's state."""
+    """AdamW over the float32 sharded master weights that train (LoRA: the adapters); then, when resuming, the
+    checkpoint's state."""
     # fused: one kernel over all parameters (4x faster than the per-tensor loop on a 60M model on CPU).
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=run.cfg.lr, weight_decay=run.cfg.weight_decay, fused=True)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=run.cfg.lr,
+                                  weight_decay=run.cfg.weight_decay, fused=True)
     if run.saved:
         same_rng = load_checkpoint(run.saved["path"], policy, optimizer)
         if run.precision.scaler and run.saved["scaler"]:
@@ -448,7 +474,10 @@ def open_run_log(run: Run, models: Models) -> RunLog:
                  cfg.wandb_project, asdict(cfg))
     mesh = next(models.policy.parameters()).device_mesh.shape  # as sharded: (ranks,), or HSDP's (replicas, shards)
     hsdp = f" as {mesh[0]} replicas x {mesh[1]} shards (HSDP)" if len(mesh) == 2 else ""
-    say(f"{cfg.model}: {sum(p.numel() for p in models.policy.parameters()) / 1e6:.1f}M params, {run.world} rank(s)"
+    params = [(p.numel(), p.requires_grad) for p in models.policy.parameters()]
+    lora = (f" (LoRA rank {cfg.lora.lora_rank}: {sum(n for n, trained in params if trained) / 1e6:.2f}M trained)"
+            if cfg.lora.lora_rank else "")
+    say(f"{cfg.model}: {sum(n for n, _ in params) / 1e6:.1f}M params{lora}, {run.world} rank(s)"
         f"{hsdp} on {run.device} ({dist.get_backend()}), {run.precision.name}, {len(run.train)} train / {len(run.eval)} "
         f"eval pairs, {run.total_steps} steps x {cfg.batch_size} pairs "
         f"({cfg.batch_size // (cfg.micro_batch_size * run.world)} accumulation steps); peak host memory after "
@@ -493,12 +522,22 @@ def save(run: Run, policy, optimizer, step: int) -> str:
 
 # ---------------------------------------------------------------------------------------------- export
 def export_final(run: Run, policy, log: RunLog) -> None:
-    """{out_dir}/final: a Hugging Face folder of the trained policy in --export-dtype, with the tokenizer and
-    the resolved config; rank 0 writes it, then closes the log (and plots metrics.png)."""
-    rss, final = host_memory_by_rank_gb(run.device), os.path.join(run.cfg.out_dir, "final")
+    """{out_dir}/final: a Hugging Face folder of the trained policy in --export-dtype (LoRA: a peft adapter
+    folder, or with --export-merged the merged weights), with the tokenizer and the resolved config; rank 0
+    writes it, then closes the log (and plots metrics.png)."""
+    rss, final, cfg = host_memory_by_rank_gb(run.device), os.path.join(run.cfg.out_dir, "final"), run.cfg
     say("peak host memory during training, GB by rank: " + " ".join(f"{x:.2f}" for x in rss))
-    save_pretrained(policy, final, getattr(torch, run.cfg.export_dtype), run.tokenizer,
-                    {"train_config.json": asdict(run.cfg)})
+    dtype, extra = getattr(torch, cfg.export_dtype), {"train_config.json": asdict(cfg)}
+    if cfg.lora.lora_rank and not cfg.lora.export_merged:
+        adapters = {k: v.to(dtype) for k, v in gather_adapters(policy).items()}  # only the adapters are gathered
+
+        def write():  # peft's adapter_config.json and adapter_model.safetensors
+            policy.save_pretrained(final, state_dict=adapters)
+            save_files(final, run.tokenizer, extra)
+        on_rank0(write, share=False)
+    else:
+        merge = (lambda state: merge_adapters(policy, state)) if cfg.lora.lora_rank else None
+        save_pretrained(policy, final, dtype, run.tokenizer, extra, merge)
     say(f"saved {final}")
     on_rank0(log.close)  # only rank 0 has files (and W&B) to close; the others wait for it
 

@@ -4,8 +4,15 @@ from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import DPOConfig, DPOTrainer
 
-# usage: python bench/trl_dpo.py MODEL DATA STEPS BATCH fp32|bf16 OUT_DIR (in a venv with trl==1.16.0 and datasets)
+# usage: python bench/trl_dpo.py MODEL DATA STEPS BATCH fp32|bf16 OUT_DIR [LORA_RANK]
+# (in a venv with trl==1.16.0 and datasets; peft==0.21.2 for LORA_RANK, which trains LoRA adapters of that rank)
 model_dir, data_path, steps, batch, precision, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
+lora_rank = int(sys.argv[7]) if len(sys.argv) > 7 else 0
+peft_config = None
+if lora_rank:  # as this repo's --lora-rank: alpha 16, no dropout, every linear layer in the blocks
+    from peft import LoraConfig
+    peft_config = LoraConfig(r=lora_rank, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear",
+                             task_type="CAUSAL_LM")
 tok = AutoTokenizer.from_pretrained(model_dir)
 model = AutoModelForCausalLM.from_pretrained(model_dir)
 config = DPOConfig(output_dir=out + "-trainer", per_device_train_batch_size=batch, max_steps=steps,
@@ -13,6 +20,6 @@ config = DPOConfig(output_dir=out + "-trainer", per_device_train_batch_size=batc
                    bf16=precision == "bf16", logging_steps=1, save_strategy="no", report_to="none",
                    dataloader_num_workers=0, seed=0)
 trainer = DPOTrainer(model=model, args=config, train_dataset=load_dataset("json", data_files=data_path)["train"],
-                     processing_class=tok)
+                     processing_class=tok, peft_config=peft_config)
 trainer.train()
-trainer.save_model(out)  # like the others, end with the trained model on disk
+trainer.save_model(out)  # like the others, end with the trained model (with peft: the adapters) on disk

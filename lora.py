@@ -1,0 +1,131 @@
+"""LoRA through peft: low-rank adapters train while the base model stays frozen, and the base model itself
+(the adapters switched off) is DPO's reference, so LoRA DPO holds one model's weights, not two.
+
+Copyable on its own: imports only the standard library and torch; peft when adapters are asked for.
+
+    model = add_adapters(model, LoraConfig(lora_rank=16), block_class)  # a peft model: only adapters train
+    reference = WithoutAdapters(model)                    # the base model: peft's disable_adapter() per call
+    state = gather_adapters(model)                        # the adapters in full on rank 0 (a collective)
+    model.save_pretrained(folder, state_dict=state)       # rank 0: a peft adapter folder
+    hf_model, merged = merge_adapters(model, full_state)  # W + (alpha / rank) B A, under the base model's names
+"""
+
+import importlib
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+
+@dataclass
+class LoraConfig:
+    lora_rank: int = 0
+    """LoRA: train rank-R adapters (through peft) on --lora-targets while the base weights stay frozen, kept in
+    the compute dtype; the reference is the same model with its adapters off, not a second copy. 0: full
+    fine-tuning."""
+    lora_alpha: float = 16.0
+    """Adapter scale: an adapted weight is W + (alpha / rank) B A."""
+    lora_targets: tuple[str, ...] = ()
+    """Modules to adapt, as peft's target_modules: a name matches itself and every module path ending in
+    ".name" (q_proj v_proj). Default: every linear layer inside the transformer blocks."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input; off by default, like the model's own. Needs --dropout (train mode)."""
+    export_merged: bool = False
+    """With --lora-rank: export {out_dir}/final as a Hugging Face model with the adapters merged into its
+    weights, instead of a peft adapter folder."""
+
+    def __post_init__(self):
+        if self.lora_rank < 0:
+            raise ValueError(f"--lora-rank must be >= 0, got {self.lora_rank}")
+        if not self.lora_alpha > 0:
+            raise ValueError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.export_merged and not self.lora_rank:
+            raise ValueError("--export-merged needs --lora-rank (full fine-tuning always exports merged weights)")
+
+
+def import_peft():
+    """The peft module, or ImportError saying how to install it."""
+    try:
+        return importlib.import_module("peft")
+    except ImportError:
+        raise ImportError("--lora-rank needs the peft package: pip install peft") from None
+
+
+def add_adapters(model: nn.Module, config: LoraConfig, block_class: type[nn.Module], seed: int = 0) -> nn.Module:
+    """`model` (a Hugging Face causal LM) as a peft model with LoRA adapters on config.lora_targets (default:
+    every nn.Linear inside a `block_class` module), every other weight frozen. B starts at zero, so the model
+    computes exactly what it did; A is drawn from a generator seeded by `seed`, leaving the global one as it
+    was. On the meta device nothing is drawn: fill it from a model made here on the CPU."""
+    peft = import_peft()
+    targets = list(config.lora_targets) or _block_linears(model, block_class)
+    lora = peft.LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                           target_modules=targets, task_type="CAUSAL_LM")
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        torch.manual_seed(seed)
+        # peft asks transformers 5 for a renamed attribute; the warning is theirs, not the user's to act on.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        try:
+            return peft.get_peft_model(model, lora)
+        except ValueError as e:  # peft's "Target modules {...} not found in the base model", as a one-liner
+            raise ValueError(f"--lora-targets {' '.join(targets)}: {str(e).splitlines()[0]}") from None
+
+
+def _block_linears(model: nn.Module, block_class: type[nn.Module]) -> list[str]:
+    """The names of the linear layers inside the blocks: their last name part (q_proj, ...), or their full
+    paths where a linear layer outside the blocks shares one (peft would match it too)."""
+    inside = {f"{name}.{sub}" for name, block in model.named_modules() if isinstance(block, block_class)
+              for sub, m in block.named_modules() if isinstance(m, nn.Linear)}
+    outside = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)
+               and name not in inside}
+    short = {name.rsplit(".", 1)[-1] for name in inside}
+    return sorted(short) if not short & outside else sorted(inside)
+
+
+class WithoutAdapters:
+    """A peft model with its adapters off, for code that takes a model (DPO's reference): calls run it under
+    peft's disable_adapter(), and every other attribute is the model's own."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        with self.model.disable_adapter():
+            # peft also sets the adapters' requires_grad to False in here. FSDP2 reads requires_grad on its
+            # first forward to pick each group's gradient reduce dtype, and finding no trained weight it would
+            # keep bf16 gradients, which then cannot be assigned to the float32 adapters: so put it back.
+            for p in trained:
+                p.requires_grad_(True)
+            return self.model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def gather_adapters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trained weights (the adapters) in full, on CPU, on rank 0 ({} elsewhere); every rank must call.
+    Frozen weights, tied ones included, are neither gathered nor returned."""
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    return {k: v for k, v in get_model_state_dict(model, options=options).items() if k in trained}
+
+
+def merge_adapters(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """(the Hugging Face model under the peft model, its state dict): `state`, a full state dict of the peft
+    `model` (as gathered, adapters included), with each adapted weight W replaced by W + scale B A in
+    float32, scale = alpha / rank (peft's module.scaling), and every name as the base model's own."""
+    peft = import_peft()
+    state = dict(state)
+    for name, module in model.named_modules():
+        if isinstance(module, peft.tuners.lora.LoraLayer):
+            for adapter in module.lora_A:
+                a, b = state.pop(f"{name}.lora_A.{adapter}.weight"), state.pop(f"{name}.lora_B.{adapter}.weight")
+                delta = module.scaling[adapter] * (b.float() @ a.float())  # (out, in)
+                weight = f"{name}.base_layer.weight"
+                state[weight] = state[weight].float() + (delta.T if module.fan_in_fan_out else delta)
+    prefix = "base_model.model."  # PeftModel.base_model (the LoraModel) .model (the Hugging Face model)
+    return model.get_base_model(), {k.removeprefix(prefix).replace(".base_layer.", "."): v for k, v in state.items()}
