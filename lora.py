@@ -34,7 +34,8 @@ class LoraConfig:
     """Dropout on the adapters' input; off by default, like the model's own. Needs --dropout (train mode)."""
     export_merged: bool = False
     """With --lora-rank: export {out_dir}/final as a Hugging Face model with the adapters merged into its
-    weights, instead of a peft adapter folder."""
+    weights, instead of a peft adapter folder. The base is merged as held: with --precision bf16 or fp16, its
+    weights rounded to that dtype (for float32 ones, merge the adapter folder into a float32 base with peft)."""
 
     def __post_init__(self):
         if self.lora_rank < 0:
@@ -87,20 +88,24 @@ def _block_linears(model: nn.Module, block_class: type[nn.Module]) -> list[str]:
 
 class WithoutAdapters:
     """A peft model with its adapters off, for code that takes a model (DPO's reference): calls run it under
-    peft's disable_adapter(), and every other attribute is the model's own."""
+    peft's disable_adapter() and in eval mode (no dropout, as a frozen reference copy would be), and every other
+    attribute is the model's own."""
 
     def __init__(self, model: nn.Module):
         self.model = model
 
     def __call__(self, *args, **kwargs):
-        trained = [p for p in self.model.parameters() if p.requires_grad]
+        trained, training = [p for p in self.model.parameters() if p.requires_grad], self.model.training
         with self.model.disable_adapter():
             # peft also sets the adapters' requires_grad to False in here. FSDP2 reads requires_grad on its
             # first forward to pick each group's gradient reduce dtype, and finding no trained weight it would
             # keep bf16 gradients, which then cannot be assigned to the float32 adapters: so put it back.
             for p in trained:
                 p.requires_grad_(True)
-            return self.model(*args, **kwargs)
+            try:
+                return self.model.eval()(*args, **kwargs)
+            finally:
+                self.model.train(training)
 
     def __getattr__(self, name):
         return getattr(self.model, name)
@@ -112,6 +117,25 @@ def gather_adapters(model: nn.Module) -> dict[str, torch.Tensor]:
     trained = {name for name, p in model.named_parameters() if p.requires_grad}
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     return {k: v for k, v in get_model_state_dict(model, options=options).items() if k in trained}
+
+
+def check_mergeable(model: nn.Module) -> None:
+    """Raise ValueError unless merge_adapters can fold every adapter of the peft `model` into a weight the
+    Hugging Face export keeps: LoRA on nn.Linear layers whose weight no other module shares (a tied output
+    layer is dropped from the export in favour of the input embeddings)."""
+    peft = import_peft()
+    names = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for name, module in model.named_modules():
+        if isinstance(module, peft.tuners.lora.LoraLayer):
+            if not isinstance(module, peft.tuners.lora.Linear):
+                raise ValueError(f"--export-merged merges adapters on linear layers only; {name} is a "
+                                 f"{type(module).__name__}")
+            shared = [n for n in names[id(module.base_layer.weight)] if not n.startswith(name)]
+            if shared:
+                short = lambda n: n.removeprefix("base_model.model.")
+                raise ValueError(f"--export-merged: {short(name)} shares its weight with {short(shared[0])}")
 
 
 def merge_adapters(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[nn.Module, dict[str, torch.Tensor]]:

@@ -1846,8 +1846,11 @@ def test_lora_reference_is_the_base_model_exactly_and_only_the_adapters_train(pr
         after = gather_full_state_dict(policy)
         moved = {k for k in before if not torch.equal(before[k], after[k])}
         assert moved == {k for k in before if ".lora_" in k}  # every A and B moved; every base weight is as it was
+        modes = []  # the reference runs in eval mode (no dropout), whatever the policy's mode
+        policy.base_model.model.model.layers[0].register_forward_pre_hook(lambda m, a: modes.append(m.training))
         with torch.no_grad():
-            torch.testing.assert_close(model_logps(WithoutAdapters(policy), batch), expected, rtol=0, atol=0)
+            torch.testing.assert_close(model_logps(WithoutAdapters(policy.train()), batch), expected, rtol=0, atol=0)
+        assert modes == [False] and policy.training
 
 
 LORA = ("--lora-rank", "8", "--lora-alpha", "16")  # scale alpha / rank = 2
@@ -1910,6 +1913,8 @@ def test_lora_flags_fail_with_one_line(tmp_path, capsys, monkeypatch):
                           (["--lora-rank", "4", "--lora-targets", "qkv"], "--lora-targets qkv: Target modules {'qkv'} "
                                                                             "not found in the base model"),
                           (["--lora-rank", "-1"], "--lora-rank must be >= 0"),
+                          (["--lora-rank", "4", "--lora-targets", "lm_head", "--export-merged"],  # tiny: tied
+                           "--export-merged: lm_head shares its weight with model.embed_tokens.weight"),
                           (["--lora-rank", "4", "--lora-dropout", "0.1"], "--lora-dropout needs --dropout")):
         with pytest.raises(SystemExit) as exit_:
             run(tmp_path, "bad", "--max-steps", "1", *args)

@@ -30,7 +30,7 @@ from data import (DataConfig, PairTokens, key_digest, load_tokenizer, load_token
 from demo import demo_pairs, score_completion
 from fsdp_setup import (FSDPConfig, build_sharded, find_block_class, inference, init_distributed, on_rank0, save_files,
                         save_pretrained)
-from lora import LoraConfig, WithoutAdapters, add_adapters, gather_adapters, merge_adapters
+from lora import LoraConfig, WithoutAdapters, add_adapters, check_mergeable, gather_adapters, merge_adapters
 from loss import LossConfig, forward_pairs, model_logps
 from metrics import (PAIR_METRICS, RunLog, flop_coefficients, forward_flops, host_memory_by_rank_gb, mfu, pair_means,
                      pair_sums, peak_memory_gb, say, show_progress, step_metrics)
@@ -171,7 +171,9 @@ def setup_run(cfg: Config, rank: int, world: int, device: torch.device) -> Run:
         _check_packing(model_config, cfg.dataset.max_length)
     if cfg.lora.lora_rank:  # a bad --lora-targets fails here, before rank 0 loads any weights
         with torch.device("meta"):
-            adapt(cfg, transformers.AutoModelForCausalLM.from_config(model_config))
+            probe = adapt(cfg, transformers.AutoModelForCausalLM.from_config(model_config))
+        if cfg.lora.export_merged:
+            check_mergeable(probe)
     demo = cfg.dataset.data in ((), ("demo",), ("demo:sft",))
     data_cfg = _demo_data(cfg) if demo else cfg.dataset
     train, evals, data = load_tokens(on_rank0(lambda: tokenize_to_cache(data_cfg, tokenizer, say)))
@@ -532,6 +534,8 @@ def export_final(run: Run, policy, log: RunLog) -> None:
         adapters = {k: v.to(dtype) for k, v in gather_adapters(policy).items()}  # only the adapters are gathered
 
         def write():  # peft's adapter_config.json and adapter_model.safetensors
+            if cfg.model != "tiny":  # where its base comes from (the tiny base is a function of --seed)
+                policy.peft_config["default"].base_model_name_or_path = cfg.model
             policy.save_pretrained(final, state_dict=adapters)
             save_files(final, run.tokenizer, extra)
         on_rank0(write, share=False)
