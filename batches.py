@@ -1,111 +1,149 @@
-"""Token batches for preference training: each step's pairs, each rank's share, and their tensors: padded
-(2B, T) rows, or sequences packed into rows of a token budget.
+"""Token batches for preference training: each step's pairs, each rank's share, and their tensors.
 
 Copyable on its own: imports only the standard library and torch.
 
-    for batch in build_batches(len(pairs), batch_size=64, seed=0, epoch=0, lengths=pair_lengths(pair_lens)):
+    steps = StepBatches(pair_lens, BatchConfig(batch_size=64).resolve(world_size), seed=0)
+    for step in range(steps.total_steps):
+        batch = steps(step)                                              # the global batch: pair indices
         mine = rank_share(batch, rank, world_size)                       # this rank's pairs of the step
-        for idx, tensors in micro_batches(pairs, mine, 8, pad_id, device):   # (2B, T): [chosen; rejected]
+        for idx, pb in micro_batches(pairs, mine, 8, pad_id, device):    # pb: a PairBatch, (2B, T) rows
             ...
-    for idx, tensors in eval_batches(pairs, 8, rank, world_size, pad_id, device):   # every pair once
+    for idx, pb in eval_batches(pairs, 8, rank, world_size, pad_id, device):   # every pair once
 
 A pair is {"prompt", "chosen", "rejected"}: lists of token ids, each response ending with EOS. `pair_lens` is
 the (N, 3) tensor of their lengths (data.PairTokens.lengths).
 """
 
+import math
+from dataclasses import dataclass, fields, replace
+
 import torch
+import torch.distributed as dist
 
 IGNORE_INDEX = -100  # labels not scored: Hugging Face's convention, and loss.py's (one line, kept copyable)
 
-# 256 batches per mega-batch: 0.97 of tokens are real on pairs with prompts of 10-400 tokens and responses
-# of 20-400 (chosen and rejected within 25% of each other), against 0.59 without grouping.
+# Batches per length-sorted mega-batch: enough for neighbours of similar length, few enough to keep an epoch random.
 _MEGA = 256
 
 
-def collate_pairs(pairs: list[dict[str, list[int]]], pad_id: int, pack_length: int = 0) -> dict[str, torch.Tensor | int]:
-    """Lay out B pairs as 2B sequences (prompt + response), all chosen then all rejected, in right-padded rows.
+@dataclass
+class BatchConfig:
+    batch_size: int = 32
+    """Global preference pairs per optimizer step, over all ranks and accumulation steps."""
+    micro_batch_size: int | None = None
+    """Pairs per rank per forward (2x rows). Default: batch-size / ranks. Accumulation = batch / (micro x ranks)."""
+    max_steps: int = 0
+    """Optimizer steps to run; 0 means --epochs full passes over the data."""
+    epochs: int = 1
+    """Passes over the training data, when --max-steps is 0."""
+    group_by_length: bool = True
+    """Batch pairs of similar length together (sorted within mega-batches, batch order shuffled): less padding."""
 
-    pack_length 0: one sequence per row, (2B, T), T the longest. Padding only ever follows a row's real tokens,
-    which a causal model never lets attend to it: the model needs no attention mask (the fused causal kernels
-    run). pack_length > 0: sequences are packed into few rows of at most pack_length tokens, balanced
-    (_pack), chosen and rejected in separate rows, (R, T); "doc_ids" then numbers each row's sequences (its
-    padding one more), for attention that stays within a sequence, and position_ids restart at each.
-    Returns, on the host:
-      input_ids, attention_mask (1 on real tokens), position_ids, labels: (rows, T) int64; labels are the
-        response ids (with EOS) and IGNORE_INDEX on prompt and padding positions;
-      response_lengths: (2B,) tokens scored per sequence; chosen_rows: how many rows (an int) hold the chosen;
-      score_index, score_targets, score_rows: (N,) for the N scored tokens: the flat position in (rows * T)
-        whose hidden state predicts the token (one before it), the token, and its sequence (0..2B-1, in order);
-        `chosen_scored`: how many of the N belong to chosen sequences (an int; they come first).
-    """
+    def __post_init__(self):
+        if self.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.epochs < 1:
+            raise ValueError(f"--epochs must be >= 1, got {self.epochs}")
+        if self.max_steps < 0:
+            raise ValueError(f"--max-steps must be >= 0, got {self.max_steps}")
+
+    def resolve(self, world_size: int) -> "BatchConfig":
+        """This config with --micro-batch-size's default for `world_size` ranks; ValueError unless they split evenly."""
+        micro = self.micro_batch_size or self.batch_size // world_size
+        if micro < 1 or self.batch_size % (micro * world_size):
+            raise ValueError(f"--batch-size {self.batch_size} must be a multiple of --micro-batch-size "
+                             f"({micro}) x {world_size} ranks")
+        return replace(self, micro_batch_size=micro)
+
+
+@dataclass
+class PairBatch:
+    """B preference pairs as 2B right-padded rows, all chosen then all rejected, and the N response tokens that
+    are scored. Padding only ever follows a row's real tokens, which a causal model never lets them see, so
+    the model needs no attention mask (its fused causal kernels run). Built on the host; `.to(device)` moves it."""
+
+    input_ids: torch.Tensor  # (2B, T) int64: prompt + response ids, then padding
+    attention_mask: torch.Tensor  # (2B, T) int64: 1 on real tokens (for counting them; the model is not given it)
+    labels: torch.Tensor  # (2B, T) int64: the response ids, IGNORE_INDEX on prompt and padding (Hugging Face's form)
+    response_lengths: torch.Tensor  # (2B,) int64: scored tokens per row
+    score_index: torch.Tensor  # (N,) int64: for each scored token, the flat (2B * T) position whose state predicts it
+    score_targets: torch.Tensor  # (N,) int64: the scored tokens
+    score_rows: torch.Tensor  # (N,) int64: each scored token's row, 0..2B-1, in order (chosen rows' tokens first)
+    chosen_scored: int  # how many of the N scored tokens belong to chosen rows
+
+    @property
+    def rows(self) -> int:
+        return len(self.response_lengths)  # 2B
+
+    def chosen(self) -> "PairBatch":
+        """The first B rows alone (SFT scores the chosen responses only)."""
+        half, n = self.rows // 2, self.chosen_scored
+        return PairBatch(self.input_ids[:half], self.attention_mask[:half], self.labels[:half],
+                         self.response_lengths[:half], self.score_index[:n], self.score_targets[:n],
+                         self.score_rows[:n], n)
+
+    def to(self, device: torch.device) -> "PairBatch":
+        moved = {f.name: to_device(getattr(self, f.name), device) for f in fields(self) if f.name != "chosen_scored"}
+        return replace(self, **moved)
+
+
+def collate_pairs(pairs: list[dict[str, list[int]]], pad_id: int) -> PairBatch:
+    """Lay out B pairs as a PairBatch on the host: (2B, T) rows, T the longest row."""
     seqs = [(pair["prompt"], pair[key]) for key in ("chosen", "rejected") for pair in pairs]
-    lengths = [len(prompt) + len(response) for prompt, response in seqs]
-    halves = (range(len(pairs)), range(len(pairs), len(seqs)))
-    rows = [r for half in halves for r in (_pack(half, lengths, pack_length) if pack_length else [[i] for i in half])]
-    width = max(sum(lengths[i] for i in row) for row in rows)
-    host = {"dtype": torch.long, "device": "cpu"}  # built on the host; micro_batches moves them (to_device)
-    input_ids = torch.full((len(rows), width), pad_id, **host)
-    labels = torch.full((len(rows), width), IGNORE_INDEX, **host)
-    attention_mask, position_ids, doc_ids = (torch.zeros((len(rows), width), **host) for _ in range(3))
-    where = {}  # sequence -> flat position of its first token
-    for r, row in enumerate(rows):
-        at = 0
-        for d, i in enumerate(row):
-            (prompt, response), end = seqs[i], at + lengths[i]
-            input_ids[r, at:end] = torch.tensor(prompt + response, **host)
-            labels[r, at + len(prompt):end] = torch.tensor(response, **host)
-            position_ids[r, at:end] = torch.arange(lengths[i], **host)
-            doc_ids[r, at:end], where[i], at = d, r * width + at, end
-        attention_mask[r, :at], doc_ids[r, at:] = 1, len(row)
-        position_ids[r, at:] = torch.arange(width - at, **host)
-    index = [j for i, (prompt, response) in enumerate(seqs)
-             for j in range(where[i] + len(prompt) - 1, where[i] + lengths[i] - 1)]
-    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "position_ids": position_ids,
-             "response_lengths": torch.tensor([len(r) for _, r in seqs], **host),
-             "score_index": torch.tensor(index, **host),
-             "score_targets": torch.tensor([t for _, response in seqs for t in response], **host),
-             "score_rows": torch.tensor([i for i, (_, r) in enumerate(seqs) for _ in r], **host),
-             "chosen_scored": sum(len(response) for _, response in seqs[:len(pairs)]),
-             "chosen_rows": sum(1 for row in rows if row[0] < len(pairs))}
-    return {**batch, "doc_ids": doc_ids} if pack_length else batch
+    width = max(len(prompt) + len(response) for prompt, response in seqs)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    index, targets, rows = [], [], []
+    for r, (prompt, response) in enumerate(seqs):
+        end = len(prompt) + len(response)
+        input_ids[r, :end] = torch.tensor(prompt + response)
+        labels[r, len(prompt):end] = torch.tensor(response)
+        attention_mask[r, :end] = 1
+        index += range(r * width + len(prompt) - 1, r * width + end - 1)  # the position before each response token
+        targets += response
+        rows += [r] * len(response)
+    return PairBatch(input_ids, attention_mask, labels, torch.tensor([len(r) for _, r in seqs]),
+                     torch.tensor(index), torch.tensor(targets), torch.tensor(rows),
+                     sum(len(response) for _, response in seqs[:len(pairs)]))
 
 
-def _pack(seqs: range, lengths: list[int], budget: int) -> list[list[int]]:
-    """The sequences `seqs` in rows of at most `budget` tokens: as many rows as their tokens need (more only when
-    the sequences do not fit), balanced so the rows, padded to the fullest, waste little: longest first, each
-    into the emptiest row. A sequence longer than budget gets a row of its own."""
-    n = max(-(-sum(lengths[i] for i in seqs) // budget), 1)
-    while True:
-        rows, fill = [[] for _ in range(n)], [0] * n
-        for i in sorted(seqs, key=lambda i: -lengths[i]):
-            r = min(range(n), key=fill.__getitem__)
-            rows[r].append(i)
-            fill[r] += lengths[i]
-        if max(fill) <= budget or n >= len(seqs):
-            return [row for row in rows if row]
-        n += 1
+class StepBatches:
+    """Every optimizer step's global batch of pair indices, epoch after epoch (split it with rank_share). Each
+    epoch's order is a function of (seed, epoch) alone (build_batches), so a resumed run sees what it would have."""
+
+    def __init__(self, pair_lens: torch.Tensor, config: BatchConfig, seed: int):
+        self.config, self.seed, self.n_pairs = config, seed, len(pair_lens)
+        self.lengths = pair_lengths(pair_lens) if config.group_by_length else None
+        self.steps_per_epoch = self.n_pairs // config.batch_size
+        if not self.steps_per_epoch:
+            raise ValueError(f"{self.n_pairs} training pairs, fewer than one --batch-size ({config.batch_size})")
+        self.total_steps = config.max_steps or config.epochs * self.steps_per_epoch
+        self._epoch = (-1, [])  # (epoch, its batches)
+
+    def __call__(self, step: int) -> list[int]:
+        epoch = step // self.steps_per_epoch
+        if self._epoch[0] != epoch:
+            self._epoch = (epoch, build_batches(self.n_pairs, self.config.batch_size, self.seed, epoch, self.lengths))
+        return self._epoch[1][step % self.steps_per_epoch]
 
 
 def pair_lengths(pair_lens: torch.Tensor) -> list[int]:
-    """Each pair's row length once collated (prompt + longer response), from the (N, 3) [prompt, chosen, rejected]
-    lengths: what collate_pairs pads."""
+    """Each pair's collated row length (prompt + longer response) from (N, 3) [prompt, chosen, rejected] lengths."""
     return (pair_lens[:, 0] + pair_lens[:, 1:].amax(1)).tolist()
 
 
 def build_batches(n_pairs: int, batch_size: int, seed: int, epoch: int,
                   lengths: list[int] | None = None) -> list[list[int]]:
-    """The pair indices of each optimizer step of one epoch, over all ranks (split them with rank_share).
-
-    The epoch's order is a shuffle seeded by (seed, epoch). With `lengths` (pair_lengths), the order is
-    grouped by length: each mega-batch of _MEGA global batches is sorted by length and cut into global batches,
-    whose order is shuffled again. A batch then holds pairs of similar length, while batches still come in
-    random order. A last partial batch is dropped, so every step sees exactly batch_size pairs.
-    """
+    """The pair indices of each optimizer step of one epoch over all ranks (split them with rank_share), a shuffle
+    seeded by (seed, epoch). With `lengths` (pair_lengths), each mega-batch of _MEGA global batches is sorted by
+    length and cut into batches, whose order is shuffled again: pairs of similar length, batches in random order.
+    A last partial batch is dropped, so every step sees exactly batch_size pairs."""
     generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
     order = torch.randperm(n_pairs, generator=generator).tolist()
     if lengths is not None:
         mega = batch_size * _MEGA
-        order = [i for s in range(0, n_pairs, mega) for i in sorted(order[s:s + mega], key=lambda i: lengths[i])]
+        order = [i for s in range(0, n_pairs, mega) for i in sorted(order[s:s + mega], key=lengths.__getitem__)]
     batches = [order[s:s + batch_size] for s in range(0, n_pairs - batch_size + 1, batch_size)]
     if lengths is not None:
         batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
@@ -120,42 +158,53 @@ def rank_share(batch: list[int], rank: int, world_size: int) -> list[int]:
     return batch[rank * per_rank:(rank + 1) * per_rank]
 
 
-def micro_batches(pairs, idx: list[int], micro_batch_size: int, pad_id: int, device: torch.device,
-                  pack_length: int = 0):
-    """(indices, collate_pairs tensors on `device`) for each micro-batch of pairs[idx], in order."""
+def micro_batches(pairs, idx: list[int], micro_batch_size: int, pad_id: int, device: torch.device):
+    """(indices, PairBatch on `device`) for each micro-batch of pairs[idx], in order."""
     for s in range(0, len(idx), micro_batch_size):
         mine = idx[s:s + micro_batch_size]
-        yield mine, _to(collate_pairs([pairs[i] for i in mine], pad_id, pack_length), device)
+        yield mine, collate_pairs([pairs[i] for i in mine], pad_id).to(device)
 
 
-def eval_batches(pairs, micro_batch_size: int, rank: int, world_size: int, pad_id: int, device: torch.device,
-                 pack_length: int = 0):
-    """(indices, tensors) covering every pair exactly once over all ranks, the same number of batches on each
-    (build_eval_batches), shortest pairs first so each batch pads little. `pairs` has .lengths (data.PairTokens).
-    An empty-index batch is a dummy (pair 0) that keeps every rank's FSDP collectives in step: give it zero
-    weight."""
-    lengths = pair_lengths(pairs.lengths)
-    for idx in build_eval_batches(len(pairs), micro_batch_size, rank, world_size, lengths):
-        yield idx, _to(collate_pairs([pairs[i] for i in idx or [0]], pad_id, pack_length), device)
+def eval_batches(pairs, micro_batch_size: int, rank: int, world_size: int, pad_id: int, device: torch.device):
+    """(indices, PairBatch) covering every pair once over all ranks, the same number of batches on each
+    (build_eval_batches), shortest first to pad little; `pairs` has .lengths (data.PairTokens). An empty-index batch
+    is a dummy (pair 0) that keeps every rank's FSDP collectives in step: give it zero weight."""
+    for idx in build_eval_batches(len(pairs), micro_batch_size, rank, world_size, pair_lengths(pairs.lengths)):
+        yield idx, collate_pairs([pairs[i] for i in idx or [0]], pad_id).to(device)
 
 
-def _to(batch: dict, device: torch.device) -> dict:
-    return {k: to_device(v, device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+def pair_table(pairs, width: int, fn, micro_batch_size: int, pad_id: int, device: torch.device) -> torch.Tensor:
+    """(N, width): fn(idx, batch) -> (B, width) for each pair exactly once over the process group's ranks
+    (eval_batches). A collective: every rank calls it, and gets the whole table."""
+    table = torch.zeros(len(pairs), width, device=device)  # each row from one rank, 0 on the others
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    for idx, batch in eval_batches(pairs, micro_batch_size, rank, world_size, pad_id, device):
+        table[idx] = fn(idx, batch)[:len(idx)]  # a rank out of pairs runs a dummy batch, for the collectives
+    dist.all_reduce(table)  # the sum over ranks is exact: one non-zero term per entry
+    return table
+
+
+def table_rows(table: torch.Tensor, idx: list[int]) -> torch.Tensor:
+    """(2B,) [chosen; rejected], as in a PairBatch, of pairs `idx` from an (N, 2) [chosen, rejected] table."""
+    return table[to_device(torch.tensor(idx or [0]), table.device)].T.reshape(-1)  # (B, 2) -> (2B,)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device`; to a GPU through pinned memory and an asynchronous copy, so the host goes on
     queueing work instead of waiting for a pageable copy in every micro-batch."""
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def build_eval_batches(n_pairs: int, micro_batch_size: int, rank: int, world_size: int,
                        lengths: list[int] | None = None) -> list[list[int]]:
-    """This rank's pair indices per forward for a pass over every pair exactly once (evaluation, reference
-    precompute): disjoint strided slices of the pairs, sorted by `lengths` when given. Every rank gets the same
-    number of batches; a rank that runs out gets empty ones, for which the caller runs a zero-weight dummy so
-    collectives stay in step."""
-    order = sorted(range(n_pairs), key=lambda i: lengths[i]) if lengths is not None else range(n_pairs)
+    """This rank's pair indices per forward for a pass over every pair once (evaluation, reference precompute):
+    disjoint strided slices, sorted by `lengths` when given. Every rank gets the same number of batches; one that
+    runs out gets empty ones, for which the caller runs a zero-weight dummy so collectives stay in step."""
+    order = range(n_pairs)
+    if lengths is not None:
+        order = sorted(order, key=lengths.__getitem__)
     mine = list(order[rank::world_size])
-    n_batches = -(-(-(-n_pairs // world_size)) // micro_batch_size)  # ceil(ceil(n / world) / micro)
-    return [mine[b * micro_batch_size:(b + 1) * micro_batch_size] for b in range(n_batches)]
+    per_rank = math.ceil(n_pairs / world_size)
+    return [mine[b:b + micro_batch_size] for b in range(0, per_rank, micro_batch_size)]

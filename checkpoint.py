@@ -3,18 +3,18 @@
 Copyable on its own: imports only the standard library and torch.
 
     save_checkpoint(root, step, model, optimizer, {"step": step, ...}, keep_last=3)  # root/step-N, root/latest
-    save_checkpoint(..., background=True); ...; finish_checkpoint()  # written while training goes on
+    save_checkpoint(..., background=True)                  # returns once staged; finish_checkpoint() completes it
     path = find_checkpoint(root, "latest")                 # or an explicit step-N folder
     state = read_trainer_state(path)                       # the saved extra, cheap: before building models
     check_same_run(state, {"config": config}, fixed={"model": "--model", "batch_size": "--batch-size"})
     load_checkpoint(path, model, optimizer)                # any world size: DCP reshards on load
     stop = StopRequest()                                   # SIGTERM/SIGINT: finish the step, save, exit
 
-A checkpoint folder holds the model and optimizer shards (DCP; frozen weights, such as LoRA's base, are left
-out), trainer_state.json (the caller's extra plus the world size) and rng-rank{r}.pt per rank (torch CPU, the
-rank's own GPU and Python generator states).
+A checkpoint folder holds the model (less frozen weights, such as LoRA's base) and optimizer shards (DCP),
+trainer_state.json (the caller's extra plus world_size) and rng-rank{r}.pt (torch CPU, own GPU, Python RNGs).
 """
 
+import functools
 import json
 import os
 import pathlib
@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.optim import Optimizer
 
 _STATE = "trainer_state.json"
+_pending = {}  # "write": (future, publish) of a background save; "group": its gloo group, made for "world"
 
 
 @dataclass
@@ -44,36 +45,32 @@ class CheckpointConfig:
     resume: str | None = None
     """Resume from a checkpoint folder, or "latest" for {out_dir}/checkpoints/latest."""
     async_save: bool = False
-    """Write checkpoints in a background thread: training waits only while the shards are copied to host
-    memory (one more copy of this rank's model and optimizer shards). `latest` moves once the write is
-    complete; a stop signal, the end of training and the next save wait for it."""
+    """Write checkpoints in a background thread: training waits only while the shards are copied to host memory
+    (one more copy of them). `latest` moves once the write is complete; a stop, the end and the next save wait."""
 
     def __post_init__(self):
-        for name in ("save_every", "keep_last"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.save_every < 0:
+            raise ValueError(f"--save-every must be >= 0, got {self.save_every}")
+        if self.keep_last < 0:
+            raise ValueError(f"--keep-last must be >= 0, got {self.keep_last}")
 
 
 def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: Optimizer, extra: dict,
                     keep_last: int = 0, background: bool = False) -> str:
-    """Write root/step-{step} and point root/latest at it; keep only the newest keep_last (0: all).
-
-    Everything goes to step-N.tmp, which is renamed once complete; `latest` moves last. A run killed
-    mid-save therefore still resumes from the previous checkpoint. background=True returns once the shards
-    are staged in host memory; the write goes on in a thread (over a gloo group of its own, so its
-    collectives never meet the training's) and finish_checkpoint completes it. Collective: call on every rank.
-    """
+    """Collective: write root/step-{step} (as step-N.tmp, renamed once complete), then point root/latest at it, so a run
+    killed mid-save resumes from the previous one; keep the newest keep_last (0: all). background=True returns once the
+    shards are staged in host memory: a thread writes them over its own gloo group; finish_checkpoint completes it."""
     finish_checkpoint()  # at most one write in flight: its staged copy is the memory async saving costs
     path = os.path.join(root, f"step-{step}")
     tmp = path + ".tmp"
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an earlier killed save
         os.makedirs(tmp)
         with open(os.path.join(tmp, _STATE), "w") as f:
-            json.dump({**extra, "world_size": world}, f, indent=2)
+            json.dump({**extra, "world_size": dist.get_world_size()}, f, indent=2)
     dist.barrier()
-    device = _device_of(model)  # only this rank's own GPU: another process may see fewer GPUs on resume
+    device = next(model.parameters()).device  # only this rank's own GPU: a resumed process may see fewer
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
     torch.save(rng, os.path.join(tmp, f"rng-rank{rank}.pt"))
@@ -82,10 +79,9 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: Optimizer
         if _pending.get("world") is not dist.group.WORLD:  # once per process group, on every rank (a collective)
             # Its own timeout: the write's last gather waits for the slowest rank's shards to reach the disk.
             _pending.update(world=dist.group.WORLD, group=dist.new_group(backend="gloo", timeout=timedelta(hours=6)))
-        # The write's last collective gathers every rank's result before rank 0 writes the metadata, so rank 0's
-        # future is done only once every rank's shards (and, written before, its RNG file) are on disk.
+        # The write ends in a gather: rank 0's future is done once every rank's shards and RNG file are on disk.
         _pending["write"] = (dcp.async_save(state, checkpoint_id=tmp, process_group=_pending["group"]),
-                             lambda: _publish(root, path, keep_last))
+                             functools.partial(_publish, root, path, keep_last))
         return path
     dcp.save(state, checkpoint_id=tmp)
     dist.barrier()  # every rank's part is on disk
@@ -94,17 +90,12 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: Optimizer
     return path
 
 
-_pending = {}  # "write": (future, publish) of the checkpoint written in the background; "group": its gloo group,
-# made for the process group "world"
-
-
 def finish_checkpoint(wait: bool = True) -> None:
     """Complete a background save_checkpoint: wait for its write (wait=False: only if already done) and let
     rank 0 move `latest` to it. A failed write raises here. No collective: safe to call on any one rank."""
-    future, publish = _pending.get("write", (None, None))
-    if future is None or not (wait or future.done()):
+    if "write" not in _pending or not (wait or _pending["write"][0].done()):
         return
-    del _pending["write"]
+    future, publish = _pending.pop("write")
     future.result()
     publish()
 
@@ -119,14 +110,9 @@ def _publish(root: str, path: str, keep_last: int) -> None:
     pathlib.Path(latest + ".tmp").write_text(os.path.basename(path))
     os.replace(latest + ".tmp", latest)  # a reader never sees half a pointer
     if keep_last:
-        for old in _checkpoints(root)[:-keep_last]:
+        done = [n for n in os.listdir(root) if re.fullmatch(r"step-\d+", n)]
+        for old in sorted(done, key=lambda n: int(n.split("-")[1]))[:-keep_last]:
             shutil.rmtree(os.path.join(root, old))
-
-
-def _checkpoints(root: str) -> list[str]:
-    """Complete step-N folders under root, oldest first."""
-    names = [n for n in os.listdir(root) if re.fullmatch(r"step-\d+", n)]
-    return sorted(names, key=lambda n: int(n.split("-")[1]))
 
 
 def find_checkpoint(root: str, spec: str) -> str:
@@ -149,11 +135,7 @@ def read_trainer_state(path: str) -> dict:
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizer) -> bool:
-    """Load shards from `path` into the (already sharded) model and optimizer, resharding as needed.
-
-    Restores this rank's RNG states when the world size is unchanged (returns True); a different world
-    size has no one-to-one mapping of ranks, so the generators are left as they are (returns False).
-    """
+    """Load `path` into the sharded model and optimizer, and this rank's RNGs unless the world size changed (False)."""
     state = _trained_state(model, optimizer)
     dcp.load(state, checkpoint_id=path)  # fails naming any key of `state` the checkpoint lacks
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
@@ -163,34 +145,33 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizer) -> bool:
     rng = torch.load(os.path.join(path, f"rng-rank{dist.get_rank()}.pt"), weights_only=True)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
-    device = _device_of(model)
+    device = next(model.parameters()).device
     if isinstance(rng["cuda"], torch.Tensor) and device.type == "cuda":  # older checkpoints: a list
         torch.cuda.set_rng_state(rng["cuda"], device)
     return True
 
 
 def _trained_state(model: nn.Module, optimizer: Optimizer) -> dict:
-    """The model's state without its frozen weights (LoRA's base: they never change, and a resumed run loads
-    them from the model itself), and the optimizer's."""
+    """The model's state less frozen weights (LoRA's base: a resumed run has them already), and the optimizer's."""
     frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
     return {"model": {k: v for k, v in model_state.items() if k not in frozen}, "optim": optim_state}
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
 def check_same_run(saved: dict, current: dict, fixed: dict[str, str]) -> None:
-    """Refuse to resume when a setting differs. `fixed` maps a leaf name in the (possibly nested) saved and
-    current dicts to how the user knows it, e.g. {"batch_size": "--batch-size"}."""
+    """Refuse to resume when a setting differs; `fixed`: {leaf name in the nested dicts: its flag, e.g. "--seed"}."""
     flat_saved, flat_current = _leaves(saved), _leaves(current)
-    short = lambda v: f"{v[:12]}..." if isinstance(v, str) and len(v) > 40 else repr(v)
     for key, label in fixed.items():
         if flat_saved.get(key) != flat_current.get(key):
-            raise ValueError(f"--resume: {label} is {short(flat_current.get(key))} but the checkpoint was trained "
-                             f"with {short(flat_saved.get(key))}; these must match to resume: "
+            raise ValueError(f"--resume: {label} is {_short(flat_current.get(key))} but the checkpoint was trained "
+                             f"with {_short(flat_saved.get(key))}; these must match to resume: "
                              f"{', '.join(fixed.values())}")
+
+
+def _short(value) -> str:
+    if isinstance(value, str) and len(value) > 40:  # a hash: its start is enough to tell two apart
+        return f"{value[:12]}..."
+    return repr(value)
 
 
 def _leaves(config: dict) -> dict:
@@ -212,7 +193,11 @@ class StopRequest:
         self.signum = signum
         signal.signal(signum, self._previous[signum])
 
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal, as a shell reports a process it ended; SIGTERM's when another rank got the signal."""
+        return 128 + (self.signum or signal.SIGTERM)
+
     def restore(self) -> None:
-        """Put the previous handlers back."""
         for s, handler in self._previous.items():
             signal.signal(s, handler)

@@ -1,26 +1,10 @@
 """Preference data: read pairs in the common shapes and tokenize them as the model sees them, once per run.
-
-Copyable on its own: imports only the standard library, torch and transformers.
+Copyable on its own: imports only the standard library, torch and transformers. Row shapes: README.md's Data.
 
     path = tokenize_to_cache(DataConfig(data=("prefs.jsonl",), eval_fraction=0.05, cache_dir="cache"), tokenizer)
     train, evals, summary = load_tokens(path)   # train[0]: {"prompt", "chosen", "rejected"} id lists
-    rows = read_rows("prefs.jsonl")             # or just the checked rows, any of the shapes below
-
-batches.py turns tokens into each step's (2B, T) tensors. Inspect what will be trained:
-    python data.py prefs.jsonl --model Qwen/Qwen2.5-0.5B-Instruct --show 3
-
-Rows (JSON Lines or a JSON array per file, UTF-8; one shape per file):
-    standard        {"prompt": str, "chosen": str, "rejected": str}
-    conversational  {"prompt": [messages], "chosen": [messages], "rejected": [messages]}, messages being
-                    {"role", "content"}; rendered with the tokenizer's chat template
-    implicit prompt {"chosen", "rejected"} only, strings or message lists sharing a prefix: the prompt is the
-                    shared messages; for strings, through the last shared "\n\nAssistant:" (Anthropic HH), or
-                    else the longest common prefix, backed off to a token boundary.
-
-Tokens: prompt ids are the tokenization of the rendered prompt alone (what generation starts from). A
-response's ids are the rest of the tokenization of prompt + response, when that starts with the prompt's
-ids; when a token would straddle the boundary, the response is tokenized on its own instead (counted as
-"retokenized"), so prompt ids never change. Every response ends with EOS exactly once.
+    rows = read_rows("prefs.jsonl")             # or just the checked rows
+    python data.py prefs.jsonl --model Qwen/Qwen2.5-0.5B-Instruct --show 3   # inspect what will be trained
 """
 
 import argparse
@@ -40,14 +24,15 @@ _CACHE_VERSION = 3  # bump when tokenization changes, so old caches are not reus
 _HH_MARKER = "\n\nAssistant:"
 _PERCENTILES = (50, 90, 99, 100)
 _SPACE = re.compile(r"\s*")
+_DECODER = json.JSONDecoder()
+_CHUNK = 2048  # rows per tokenizer call: batched calls are faster
 
 
 @dataclass
 class DataConfig:
     data: tuple[str, ...] = ()
     """Training pairs: .jsonl/.json files or hub:NAME[:split] (needs the datasets package); none: the built-in demo
-    (demo:sft: its reviews with coin-flip labels, for an SFT stage that learns both styles).
-    Repeat the flag or separate with commas for several."""
+    (demo:sft: its reviews with coin-flip labels, for an SFT stage). Repeat the flag or separate with commas."""
     eval_data: tuple[str, ...] = ()
     """Held-out pairs, same forms. Default: the demo's held-out split with the demo, else --eval-fraction."""
     eval_fraction: float = 0.0
@@ -58,14 +43,8 @@ class DataConfig:
     """Most prompt tokens kept when a pair is longer than --max-length. Default: half of --max-length."""
     truncation: Literal["keep_end", "keep_start"] = "keep_end"
     """Which part of a too-long prompt is kept: its end (nearest the response) or its start. A leading BOS stays."""
-    group_by_length: bool = True
-    """Batch pairs of similar length together (sorted within mega-batches, batch order shuffled): less padding."""
-    packing: bool = False
-    """Pack each micro-batch's sequences into rows of up to --max-length tokens (attention stays within each
-    sequence) instead of one padded row per sequence: no padding, even without --group-by-length."""
     cache_dir: str = "runs/cache"
-    """Where tokenized data (tokens-<hash>.pt) and --ref precompute log-probs (ref-<hash>.safetensors) are kept,
-    reused by any run with the same inputs and settings. Must be shared by all ranks, like --out-dir."""
+    """Tokenized data and --ref precompute log-probs, reused by runs with the same inputs; all ranks must share it."""
 
     def __post_init__(self):
         self.data = tuple(s for spec in self.data for s in spec.split(",") if s)
@@ -80,8 +59,7 @@ class DataConfig:
 
     @property
     def prompt_limit(self) -> int:
-        """--max-prompt-length, or its default: half of --max-length. (Resolved here, not stored: the CLI's
-        defaults come from a default instance, which must not pin a value for one --max-length.)"""
+        """--max-prompt-length, or half of --max-length (not stored: the CLI's default instance must not pin it)."""
         return self.max_length // 2 if self.max_prompt_length is None else self.max_prompt_length
 
 
@@ -89,194 +67,170 @@ class DataError(ValueError):
     """Bad input data; the message names the file, line and field."""
 
 
-# ---------------------------------------------------------------------------------------------- reading
 def read_rows(spec: str) -> list[dict]:
     """Rows of one file or hub:NAME[:split], checked: {"prompt" (None when implicit), "chosen", "rejected",
     "where" ("file:line")}; values are strings or message lists. Raises DataError."""
-    if spec.startswith("hub:"):
-        raw = _read_hub(spec)
-    else:
-        text = _read_text(spec)
-        start = len(text) - len(text.lstrip())
-        if start == len(text):
-            raise DataError(f"{spec}:1: empty file, expected preference rows")
-        raw = _read_json_array(spec, text, start) if text[start] == "[" else _read_json_lines(spec, text)
+    raw = _read_source(spec)
     if not raw:
         raise DataError(f"{spec}:1: no preference pairs")
     rows, first = [], None
     for where, row in raw:
-        kind, row = _check_row(where, row)
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: expected an object with fields chosen, rejected (and prompt); "
+                            f"got {type(row).__name__}")
+        kinds = {}
+        for field in ("prompt", "chosen", "rejected"):
+            value = row.get(field)
+            if value is None and field != "prompt":
+                raise DataError(f"{where}: missing field '{field}'")
+            if isinstance(value, list):
+                for i, m in enumerate(value):
+                    if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                            and isinstance(m.get("content"), str)):
+                        raise DataError(f"{where}: field '{field}' message {i}: expected {{\"role\": str, "
+                                        f"\"content\": str}}, got {json.dumps(m)[:80]}")
+                kinds[field] = "conversational"
+            elif isinstance(value, str):
+                kinds[field] = "standard"
+            elif value is not None:
+                raise DataError(f"{where}: field '{field}' must be a string or a list of messages, "
+                                f"got {type(value).__name__}")
+        if len(set(kinds.values())) > 1:
+            shapes = ", ".join(f"{k}: {v}" for k, v in kinds.items())
+            raise DataError(f"{where}: fields mix strings and message lists ({shapes})")
+        kind = kinds["chosen"] if "prompt" in kinds else f"implicit-prompt {kinds['chosen']}"
         first = first or (where, kind)
         if kind != first[1]:
             raise DataError(f"{where}: this row is {kind}, but the first row ({first[0]}) is {first[1]}; "
                             f"mixed formats in one file are refused")
-        rows.append(row)
+        rows.append({"prompt": row.get("prompt"), "chosen": row["chosen"], "rejected": row["rejected"], "where": where})
     return rows
 
 
-def _read_text(path: str) -> str:
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: no such file (give a .jsonl/.json path, hub:NAME[:split] or demo)")
-    with open(path, "rb") as f:
+def _read_source(spec: str) -> list[tuple[str, object]]:
+    if spec.startswith("hub:"):
+        return [(f"{spec} row {i + 1}", row) for i, row in enumerate(_load_hub(spec))]
+    if not os.path.isfile(spec):
+        raise DataError(f"{spec}: no such file (give a .jsonl/.json path, hub:NAME[:split] or demo)")
+    with open(spec, "rb") as f:
         data = f.read()
     try:
-        return data.decode("utf-8-sig")  # a leading byte-order mark is dropped
+        text = data.decode("utf-8-sig")  # a leading byte-order mark is dropped
     except UnicodeDecodeError as e:
         line, column = data.count(b"\n", 0, e.start) + 1, e.start - data.rfind(b"\n", 0, e.start)
-        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at column {column}); "
+        raise DataError(f"{spec}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at column {column}); "
                         f"save the file as UTF-8") from None
-
-
-def _read_json_lines(path: str, text: str) -> list[tuple[str, object]]:
+    start = len(text) - len(text.lstrip())
+    if start == len(text):
+        raise DataError(f"{spec}:1: empty file, expected preference rows")
     rows = []
-    for line, raw in enumerate(text.splitlines(), start=1):
-        if raw.strip():
-            try:
-                rows.append((f"{path}:{line}", json.loads(raw)))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{line}: invalid JSON ({e.msg} at column {e.colno})") from None
-    return rows
-
-
-def _read_json_array(path: str, text: str, start: int) -> list[tuple[str, object]]:
-    # Decode element by element so every row keeps the line it starts on, for error messages.
-    decoder, rows, skip = json.JSONDecoder(), [], lambda j: _SPACE.match(text, j).end()
-    line = lambda j: text.count("\n", 0, j) + 1
-    i = skip(start + 1)
-    while not (text.startswith("]", i) and not rows):  # "[]" has no rows
+    if text[start] != "[":  # JSON Lines
+        for line, raw in enumerate(text.splitlines(), start=1):
+            if raw.strip():
+                try:
+                    rows.append((f"{spec}:{line}", json.loads(raw)))
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{spec}:{line}: invalid JSON ({e.msg} at column {e.colno})") from None
+        return rows
+    # A JSON array, decoded element by element so every row keeps the line it starts on, for error messages.
+    i = _SPACE.match(text, start + 1).end()
+    while rows or not text.startswith("]", i):  # "[]" has no rows
         try:
-            row, end = decoder.raw_decode(text, i)
+            row, end = _DECODER.raw_decode(text, i)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-        rows.append((f"{path}:{line(i)}", row))
-        i = skip(end)
+            raise DataError(f"{spec}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+        rows.append((f"{spec}:{_line(text, i)}", row))
+        i = _SPACE.match(text, end).end()
         if text.startswith("]", i):
             break
         if not text.startswith(",", i):
             found = repr(text[i]) if i < len(text) else "the end of the file"
-            raise DataError(f"{path}:{line(i)}: invalid JSON (expected ',' or ']' after an element, found {found})")
-        i = skip(i + 1)
-    if skip(i + 1) < len(text):
-        raise DataError(f"{path}:{line(skip(i + 1))}: invalid JSON (extra data after the closing ']')")
+            raise DataError(f"{spec}:{_line(text, i)}: invalid JSON (expected ',' or ']' after an element, "
+                            f"found {found})")
+        i = _SPACE.match(text, i + 1).end()
+    i = _SPACE.match(text, i + 1).end()
+    if i < len(text):
+        raise DataError(f"{spec}:{_line(text, i)}: invalid JSON (extra data after the closing ']')")
     return rows
 
 
+def _line(text: str, i: int) -> int:
+    return text.count("\n", 0, i) + 1
+
+
 def write_jsonl(path: str, rows: list[dict]) -> str:
-    """Write rows as JSON Lines, atomically (a reader never sees half a file); returns the path."""
+    """Write rows as JSON Lines, atomically (see write_atomic); returns the path."""
     def write(tmp: str) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
     return write_atomic(path, write)
 
 
-def _read_hub(spec: str) -> list[tuple[str, object]]:
-    return [(f"{spec} row {i + 1}", row) for i, row in enumerate(_load_hub(spec))]
-
-
 def _load_hub(spec: str):
-    """hub:NAME[:split] through the datasets package; NAME may be a folder written by save_to_disk."""
     name, _, split = spec[len("hub:"):].partition(":")
     try:
         import datasets
     except ImportError:
         raise DataError(f"{spec}: hub datasets need the datasets package (pip install datasets)") from None
     try:
-        if os.path.isdir(name):
-            ds = datasets.load_from_disk(name)
-            ds = ds[split or "train"] if isinstance(ds, datasets.DatasetDict) else ds
-        else:
-            ds = datasets.load_dataset(name, split=split or "train")
+        if not os.path.isdir(name):
+            return datasets.load_dataset(name, split=split or "train")
+        ds = datasets.load_from_disk(name)
+        return ds[split or "train"] if isinstance(ds, datasets.DatasetDict) else ds
     except Exception as e:  # the datasets package raises many types; all mean "cannot read this spec"
         raise DataError(f"{spec}: cannot load ({type(e).__name__}: {str(e).strip().splitlines()[0]})") from None
-    return ds
-
-
-def _check_row(where: str, row: object) -> tuple[str, dict]:
-    """(format name, normalised row); raises DataError naming the field."""
-    if not isinstance(row, dict):
-        raise DataError(f"{where}: expected an object with fields chosen, rejected (and prompt); "
-                        f"got {type(row).__name__}")
-    kinds = {}
-    for field in ("prompt", "chosen", "rejected"):
-        value = row.get(field)
-        if value is None and field == "prompt":
-            continue
-        if value is None:
-            raise DataError(f"{where}: missing field '{field}'")
-        if isinstance(value, list):
-            for i, m in enumerate(value):
-                if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                    raise DataError(f"{where}: field '{field}' message {i}: expected {{\"role\": str, "
-                                    f"\"content\": str}}, got {json.dumps(m)[:80]}")
-            kinds[field] = "conversational"
-        elif isinstance(value, str):
-            kinds[field] = "standard"
-        else:
-            raise DataError(f"{where}: field '{field}' must be a string or a list of messages, "
-                            f"got {type(value).__name__}")
-    if len(set(kinds.values())) > 1:
-        shapes = ", ".join(f"{k}: {v}" for k, v in kinds.items())
-        raise DataError(f"{where}: fields mix strings and message lists ({shapes})")
-    kind = kinds["chosen"] if "prompt" in kinds else f"implicit-prompt {kinds['chosen']}"
-    return kind, {"prompt": row.get("prompt"), "chosen": row["chosen"], "rejected": row["rejected"], "where": where}
 
 
 def split_eval(rows: list, fraction: float) -> tuple[list, list]:
-    """(train, eval): round(fraction * n) rows held out, chosen by a fixed shuffle (independent of --seed,
-    so runs with different seeds evaluate on the same rows)."""
+    """(train, eval): round(fraction * n) rows held out by a fixed shuffle, the same whatever --seed."""
     held = set(random.Random(0).sample(range(len(rows)), round(fraction * len(rows))))
     return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
 
 
-# ---------------------------------------------------------------------------------------------- rendering
 def _render(row: dict, tokenizer) -> tuple[str, str, str]:
     """(prompt, chosen, rejected) text, the prompt ending where generation would start."""
     prompt, chosen, rejected, where = row["prompt"], row["chosen"], row["rejected"], row["where"]
+    if prompt is None:
+        prompt = _implicit_prompt(chosen, rejected, tokenizer, where)
+        chosen, rejected = chosen[len(prompt):], rejected[len(prompt):]
     if isinstance(chosen, str):
-        if prompt is None:
-            prompt = _implicit_prompt(chosen, rejected, tokenizer, where)
-            chosen, rejected = chosen[len(prompt):], rejected[len(prompt):]
         return prompt, chosen, rejected
-    if prompt is None:  # the longest common run of messages
-        n = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
-        if n == 0:
-            raise DataError(f"{where}: fields 'chosen' and 'rejected' share no first message to use as the prompt")
-        prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{where}: message lists need a chat template, and tokenizer "
                         f"{tokenizer.name_or_path or type(tokenizer).__name__} has none")
     text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-    out = [text]
+    responses = []
     for field, response in (("chosen", chosen), ("rejected", rejected)):
         full = tokenizer.apply_chat_template(prompt + response, tokenize=False) if response else text
         if not full.startswith(text):
             raise DataError(f"{where}: field '{field}': the chat template renders the prompt differently once "
                             f"the response follows, so the two cannot be split")
-        out.append(full[len(text):])
-    return out[0], out[1], out[2]
+        responses.append(full[len(text):])
+    return text, responses[0], responses[1]
 
 
-def _implicit_prompt(chosen: str, rejected: str, tokenizer, where: str) -> str:
+def _implicit_prompt(chosen: str | list, rejected: str | list, tokenizer, where: str) -> str | list:
+    if isinstance(chosen, list):  # the longest common run of messages
+        n = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
+        if n == 0:
+            raise DataError(f"{where}: fields 'chosen' and 'rejected' share no first message to use as the prompt")
+        return chosen[:n]
     shared = os.path.commonprefix([chosen, rejected])
     turn = shared.rfind(_HH_MARKER)
     if turn >= 0:
         return shared[:turn + len(_HH_MARKER)]
-    ids = [_ids(tokenizer, chosen), _ids(tokenizer, rejected)]
-    while shared and not all(x[:len(p)] == p for p in [_ids(tokenizer, shared)] for x in ids):
-        shared = shared[:-1]  # back off until the prefix's tokens begin both texts' tokens
-    if not shared:
-        raise DataError(f"{where}: fields 'chosen' and 'rejected' share no prefix to use as the prompt")
-    return shared
+    chosen_ids, rejected_ids = tokenizer([chosen, rejected], add_special_tokens=False)["input_ids"]
+    while shared:  # back off until the prefix's tokens begin both texts' tokens
+        ids = tokenizer(shared, add_special_tokens=False)["input_ids"]
+        if chosen_ids[:len(ids)] == ids and rejected_ids[:len(ids)] == ids:
+            return shared
+        shared = shared[:-1]
+    raise DataError(f"{where}: fields 'chosen' and 'rejected' share no prefix to use as the prompt")
 
 
-def _ids(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-# ---------------------------------------------------------------------------------------------- tokens
 class PairTokens:
-    """Token ids of N pairs in one flat int32 tensor (memory-mappable, so ranks on a node share one copy).
-    tokens[i] is {"prompt", "chosen", "rejected"}: lists of ids."""
+    """Token ids of N pairs in one flat int32 tensor (memory-mappable, so ranks on a node share one copy);
+    tokens[i] is {"prompt", "chosen", "rejected"}: lists of ids, which batches.py makes into (2B, T) tensors."""
 
     def __init__(self, ids: torch.Tensor, lengths: torch.Tensor):
         self.ids, self.lengths = ids, lengths  # (total,) int32; (N, 3) int64 [prompt, chosen, rejected]
@@ -296,53 +250,53 @@ class PairTokens:
 
 
 def tokenize_pairs(rows: list[dict], tokenizer, config: DataConfig, progress=None) -> tuple[PairTokens, dict]:
-    """(tokens, summary) for read_rows rows. Prompts longer than max_prompt_length are cut when the pair exceeds
-    max_length, then responses only if still needed (a cut response loses its EOS: the text did not end there).
-    Pairs with an empty response, or with responses identical once truncated, are dropped: they carry no
-    preference. The summary counts pairs, drops and truncations, with token-length percentiles before
-    truncation. progress(message), if given, hears how a large set goes."""
-    eos = tokenizer.eos_token_id
-    if eos is None:
+    """(tokens, summary) for read_rows rows, truncated and dropped as README.md's Data says. The summary counts pairs,
+    drops, truncations and token-length percentiles before truncation; progress(message) hears long runs."""
+    if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no EOS token; responses must end with one")
     prefix = _leading_special_ids(tokenizer)
     counts = dict.fromkeys(("dropped_empty", "dropped_identical", "identical_after_truncation", "truncated",
                             "truncated_prompts", "truncated_responses", "retokenized"), 0)
-    done, lengths, raw, chunk = [], [], {"prompt": [], "response": [], "pair": []}, 2048
-    for s in range(0, len(rows), chunk):
-        flat = []  # this chunk's ids, packed into int32 below: Python ints cost 8+ bytes each
-        if progress and len(rows) > 10 * chunk and (s // chunk) % 10 == 0:
+    done, lengths, raw = [], [], {"prompt": [], "response": [], "pair": []}
+    for s in range(0, len(rows), _CHUNK):
+        if progress and len(rows) > 10 * _CHUNK and (s // _CHUNK) % 10 == 0:
             progress(f"tokenizing: {s}/{len(rows)} pairs")
-        texts = [_render(row, tokenizer) for row in rows[s:s + chunk]]
+        texts = [_render(row, tokenizer) for row in rows[s:s + _CHUNK]]
         prompts = tokenizer([p for p, _, _ in texts], add_special_tokens=False)["input_ids"]
         fulls = tokenizer([p + x for p, c, r in texts for x in (c, r)], add_special_tokens=False)["input_ids"]
-        for j, (p, c, r) in enumerate(texts):
+        flat = []
+        for j, (_, c, r) in enumerate(texts):
             row = rows[s + j]
             prompt = prompts[j] if isinstance(row["chosen"], list) else prefix + prompts[j]  # templates add BOS
             if not prompt:
                 raise DataError(f"{row['where']}: field 'prompt' is empty and the tokenizer adds no BOS, so the "
                                 f"response's first token would have nothing to follow")
-            chosen, rejected = (_response_ids(prompts[j], text, full, tokenizer, counts)
-                                for text, full in ((c, fulls[2 * j]), (r, fulls[2 * j + 1])))
+            chosen = _response_ids(prompts[j], c, fulls[2 * j], tokenizer, counts)
+            rejected = _response_ids(prompts[j], r, fulls[2 * j + 1], tokenizer, counts)
             pair = _truncate(prompt, chosen, rejected, prefix, config, counts, raw)
             if pair:
                 flat += pair[0] + pair[1] + pair[2]
                 lengths.append(tuple(map(len, pair)))
-        done.append(torch.tensor(flat, dtype=torch.int32))
+        done.append(torch.tensor(flat, dtype=torch.int32))  # as int32: Python ints take several times the memory
     ids = torch.cat(done) if done else torch.zeros(0, dtype=torch.int32)
     tokens = PairTokens(ids, torch.tensor(lengths, dtype=torch.long).view(-1, 3))
-    summary = {"pairs": len(tokens), "dropped": counts["dropped_empty"] + counts["dropped_identical"], **counts,
-               "tokens_before_truncation": {k: _percentiles(v) for k, v in raw.items()}}
-    return tokens, summary
+    return tokens, {"pairs": len(tokens), "dropped": counts["dropped_empty"] + counts["dropped_identical"],
+                    **counts, "tokens_before_truncation": {k: _percentiles(v) for k, v in raw.items()}}
 
 
 def _response_ids(prompt: list[int], text: str, full: list[int], tokenizer, counts: dict) -> list[int]:
-    """A response's ids: the rest of tokenize(prompt + response), or the response alone when a token
-    straddles the boundary (so the prompt's own ids never change); ending with EOS exactly once."""
+    """A response's ids, ending with one EOS: the template's own if only whitespace follows it, else an appended one."""
     if full[:len(prompt)] == prompt:
         ids = full[len(prompt):]
     else:
-        ids, counts["retokenized"] = _ids(tokenizer, text), counts["retokenized"] + 1
-    return _end_with_eos(ids, tokenizer.eos_token_id, tokenizer)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        counts["retokenized"] += 1
+    eos = tokenizer.eos_token_id
+    if eos in ids:
+        last = len(ids) - 1 - ids[::-1].index(eos)
+        if not tokenizer.decode(ids[last + 1:]).strip():
+            return ids[:last + 1]
+    return ids + [eos]
 
 
 def _truncate(prompt: list[int], chosen: list[int], rejected: list[int], prefix: list[int], config: DataConfig,
@@ -357,41 +311,28 @@ def _truncate(prompt: list[int], chosen: list[int], rejected: list[int], prefix:
     longest = max(len(chosen), len(rejected))
     for key, n in (("prompt", len(prompt)), ("response", longest), ("pair", len(prompt) + longest)):
         raw[key].append(n)
-    cut = []
-    if len(prompt) + longest > config.max_length:
-        if len(prompt) > config.prompt_limit:
-            prompt, cut = _cut_prompt(prompt, prefix, config.prompt_limit, config.truncation), ["truncated_prompts"]
-        room = config.max_length - len(prompt)
-        if longest > room:
-            chosen, rejected, cut = chosen[:room], rejected[:room], cut + ["truncated_responses"]
-    if chosen == rejected:  # responses that differ only past the cut teach nothing either
+    if len(prompt) + longest <= config.max_length:
+        return prompt, chosen, rejected
+    cut_prompt = len(prompt) > config.prompt_limit
+    if cut_prompt and config.truncation == "keep_start":
+        prompt = prompt[:config.prompt_limit]
+    elif cut_prompt:  # a leading BOS stays when the start is cut away
+        head = prefix if prompt[:len(prefix)] == prefix else []
+        prompt = head + prompt[len(prompt) - (config.prompt_limit - len(head)):]
+    room = config.max_length - len(prompt)
+    if chosen[:room] == rejected[:room]:  # responses that differ only past the cut teach nothing either
         counts["dropped_identical"] += 1
         counts["identical_after_truncation"] += 1
         return None
-    for key in ["truncated"] * bool(cut) + cut:
-        counts[key] += 1
-    return prompt, chosen, rejected
-
-
-def _end_with_eos(ids: list[int], eos: int, tokenizer) -> list[int]:
-    """ids ending with exactly one EOS: a chat template's own end-of-turn EOS is kept (and only whitespace
-    after it dropped), otherwise EOS is appended."""
-    if eos in ids:
-        last = len(ids) - 1 - ids[::-1].index(eos)
-        if not tokenizer.decode(ids[last + 1:]).strip():
-            return ids[:last + 1]
-    return ids + [eos]
-
-
-def _cut_prompt(prompt: list[int], prefix: list[int], keep: int, truncation: str) -> list[int]:
-    if truncation == "keep_start":
-        return prompt[:keep]
-    head = prefix if prompt[:len(prefix)] == prefix else []  # keep BOS when cutting the start away
-    return head + prompt[len(prompt) - (keep - len(head)):]
+    counts["truncated"] += 1  # a pair over max_length always loses prompt or response tokens
+    if cut_prompt:
+        counts["truncated_prompts"] += 1
+    if longest > room:
+        counts["truncated_responses"] += 1
+    return prompt, chosen[:room], rejected[:room]
 
 
 def _leading_special_ids(tokenizer) -> list[int]:
-    """The ids the tokenizer puts before text by default (Llama's BOS; nothing for GPT-2, Qwen, ByT5)."""
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
     full = tokenizer("a", add_special_tokens=True)["input_ids"]
     for i in range(len(full) - len(plain) + 1):
@@ -407,13 +348,13 @@ def _percentiles(values: list[int]) -> dict:
     return {f"p{q}": ordered[min(len(ordered) - 1, len(ordered) * q // 100)] for q in _PERCENTILES}
 
 
-# ---------------------------------------------------------------------------------------------- the cache
 def tokenize_to_cache(config: DataConfig, tokenizer, progress=None) -> str:
-    """Read and tokenize config's sources into {cache_dir}/tokens-<hash>.pt, unless a file of that key is there;
-    return its path. The key covers the sources' content, the settings and the tokenizer. Under
-    torch.distributed one rank runs this and every rank calls load_tokens (see fsdp_setup.on_rank0)."""
-    settings = {k: v for k, v in asdict(config).items() if k not in ("group_by_length", "cache_dir")}
-    key = {"version": _CACHE_VERSION, "settings": settings, "tokenizer": _fingerprint_tokenizer(tokenizer),
+    """Tokenize config's sources into {cache_dir}/tokens-<hash of their content, the settings and the tokenizer>.pt
+    unless there; returns the path. Under torch.distributed one rank runs this, then every rank calls load_tokens."""
+    settings = {k: v for k, v in asdict(config).items() if k != "cache_dir"}
+    tokenizer_key = key_digest([type(tokenizer).__name__, sorted(tokenizer.get_vocab().items()),
+                                tokenizer.chat_template, tokenizer.eos_token_id, _leading_special_ids(tokenizer)])
+    key = {"version": _CACHE_VERSION, "settings": settings, "tokenizer": tokenizer_key,
            "train": [_fingerprint(s) for s in config.data], "eval": [_fingerprint(s) for s in config.eval_data]}
     digest = key_digest(key)[:20]
     path = os.path.join(config.cache_dir, f"tokens-{digest}.pt")
@@ -423,14 +364,14 @@ def tokenize_to_cache(config: DataConfig, tokenizer, progress=None) -> str:
     eval_rows = [row for spec in config.eval_data for row in read_rows(spec)]
     if config.eval_fraction:
         rows, eval_rows = split_eval(rows, config.eval_fraction)
-    (train, train_summary), (evals, eval_summary) = (tokenize_pairs(r, tokenizer, config, progress)
-                                                     for r in (rows, eval_rows))
+    train, train_summary = tokenize_pairs(rows, tokenizer, config, progress)
+    evals, eval_summary = tokenize_pairs(eval_rows, tokenizer, config, progress)
     if not len(train):
         raise DataError(f"{','.join(config.data)}: every pair was dropped ({train_summary['dropped']} with an "
                         f"empty or identical response)")
     # What fixes the training pairs, for resume checks: the files, and how this code and tokenizer cut them.
-    train_key = key_digest([key["train"], key["version"], key["tokenizer"]])
-    summary = {"fingerprint": digest, "train_sha256": train_key, "train": train_summary, "eval": eval_summary}
+    summary = {"fingerprint": digest, "train_sha256": key_digest([key["train"], _CACHE_VERSION, tokenizer_key]),
+               "train": train_summary, "eval": eval_summary}
     return write_atomic(path, lambda tmp: torch.save({"train_ids": train.ids, "train_lengths": train.lengths,
                                                       "eval_ids": evals.ids, "eval_lengths": evals.lengths,
                                                       "summary": json.dumps(summary)}, tmp))
@@ -449,8 +390,7 @@ def key_digest(key) -> str:
 
 
 def write_atomic(path: str, write) -> str:
-    """write(tmp) to a temporary name beside `path` (its folder made if need be), then rename: a reader never
-    sees half a file."""
+    """write(tmp) beside `path` (its folder made if need be), then rename: a reader never sees half a file."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     write(tmp)
@@ -459,27 +399,16 @@ def write_atomic(path: str, write) -> str:
 
 
 def _fingerprint(spec: str) -> str:
-    """What identifies a source's content: the file's sha256, or the datasets package's own fingerprint (a hash
-    of the dataset's data and history, kept by save_to_disk)."""
     if spec.startswith("hub:"):
         return f"{spec}:{_load_hub(spec)._fingerprint}"
     if not os.path.isfile(spec):
         raise DataError(f"{spec}: no such file (give a .jsonl/.json path, hub:NAME[:split] or demo)")
-    h = hashlib.sha256()
     with open(spec, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fingerprint_tokenizer(tokenizer) -> str:
-    return key_digest([type(tokenizer).__name__, sorted(tokenizer.get_vocab().items()), tokenizer.chat_template,
-                       tokenizer.eos_token_id, _leading_special_ids(tokenizer)])
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def load_tokenizer(name: str):
-    """The tokenizer of a hub id or folder, or for "tiny" ByT5's byte tokenizer with a small chat template
-    (no files needed)."""
+    """A hub id's or folder's tokenizer; for "tiny", ByT5's byte tokenizer with a small chat template (no files)."""
     if name != "tiny":
         return transformers.AutoTokenizer.from_pretrained(name)
     tokenizer = transformers.ByT5Tokenizer()
@@ -489,7 +418,6 @@ def load_tokenizer(name: str):
     return tokenizer
 
 
-# ---------------------------------------------------------------------------------------------- inspector
 def inspect(argv: list[str] | None = None) -> None:
     """python data.py PATH --model NAME [--max-length N] [--max-prompt-length N] [--truncation T] [--show K]:
     K JSON lines decoded from exactly the tokens that will be trained, then one JSON summary line."""

@@ -4,11 +4,13 @@ Copyable on its own: imports only the standard library.
 
     pairs = demo_pairs("train")    # 2048 {"prompt", "chosen", "rejected"} pairs, the same on every machine
     score_completion(" The red kettle is great and works well. 5/5")   # +1: the chosen style
+    files = demo_files("runs/cache", write_jsonl)     # {"train", "eval", "sft"}: JSON Lines files, written once
 
 Chosen answers praise the product and end "5/5"; rejected answers pan it and end "1/5". The held-out split
 reviews products never seen in training, so a policy must learn the style, not memorise items.
 """
 
+import os
 import random
 import re
 
@@ -48,3 +50,20 @@ def score_completion(text: str) -> int:
     good = bool(words & {*_GOOD, "5/5"})
     bad = bool(words & {*_BAD, "1/5"})
     return int(good) - int(bad)
+
+
+def score_samples(completions: list[str]) -> dict[str, float]:
+    """The shares of completions in the chosen style ("samples/preferred") and in the rejected one."""
+    scores = [score_completion(text) for text in completions]
+    return {"samples/preferred": scores.count(1) / len(scores),
+            "samples/rejected_style": scores.count(-1) / len(scores)}
+
+
+def demo_files(folder: str, write_jsonl) -> dict[str, str]:
+    """{split: path} of the demo's "train", "eval" and "sft" splits as JSON Lines files in `folder`, each written
+    by write_jsonl(path, pairs) unless it is there already."""
+    files = {split: os.path.join(folder, f"demo-{split}.jsonl") for split in ("train", "eval", "sft")}
+    for split, path in files.items():
+        if not os.path.exists(path):
+            write_jsonl(path, demo_pairs(split))
+    return files

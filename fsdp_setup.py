@@ -4,18 +4,18 @@ Copyable on its own: imports only the standard library and torch.
 
     rank, world, device = init_distributed()        # torchrun's env, or a world of one; nccl + gloo on CUDA
     model = build_sharded(make_model, full_model_or_None, mp_policy, device, FSDPConfig())
-    # = on the meta device: apply_ac (optional), compile (optional), apply_fsdp (each block, then the root),
-    #   then load_from_rank0: only rank 0 ever holds the full weights
-    with inference(model): model(**batch)           # eval, no grad; then train mode back and resharded
-    path = on_rank0(lambda: build_cache())           # rank 0 works, every rank gets its result (or error)
+    with inference(model): model(**batch)           # eval, no grad; then the previous mode back, resharded
+    path = on_rank0(build_cache)                     # rank 0 works, every rank gets its result (or error)
     state = gather_full_state_dict(model)            # full weights on rank 0 (ties kept), {} elsewhere
     save_pretrained(model, "final", torch.bfloat16, tokenizer)   # a Hugging Face folder, written by rank 0
 """
 
 import contextlib
+import itertools
 import json
 import os
 import pickle
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -28,78 +28,69 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+_rank0_calls = itertools.count(1)  # every rank calls on_rank0 in the same order: the n-th call's key
+_RANK0_WAIT = timedelta(hours=24)  # the longest rank-0 phase the other ranks wait for
+_meshes = {}  # the HSDP mesh of the current process group
+
 
 @dataclass
 class FSDPConfig:
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """Where to train: auto is cuda when a GPU is visible (nccl for GPU tensors, gloo for CPU ones), else cpu (gloo)."""
     activation_checkpointing: bool = False
-    """Recompute each transformer block's activations in backward (non-reentrant): less memory, ~1/3 more compute."""
+    """Recompute each transformer block's activations in backward (non-reentrant): less memory, more compute."""
     reshard_after_forward: bool = True
-    """Free each block's gathered parameters after forward and gather again in backward (ZeRO-3); off is ZeRO-2.
-    A frozen reference always reshards: it has no backward that would."""
+    """Free each block's gathered parameters after forward, gather them again in backward (ZeRO-3); off: ZeRO-2."""
     compile: bool = False
-    """torch.compile each transformer block (dynamic shapes: micro-batches vary in length). The first steps are
-    slower while it compiles. Order per block: activation checkpointing, then compile, then FSDP."""
+    """torch.compile each transformer block (dynamic shapes: micro-batches vary in length); first steps compile."""
     unsharded_grad_accumulation: bool = False
     """Accumulate micro-batch gradients unsharded and reduce-scatter once per step: fewer collectives, but every
-    rank holds a full gradient in the reduce dtype (float32: 4 bytes per parameter) until the last micro-batch.
-    Off: reduce-scatter after every micro-batch, so only gradient shards are ever kept."""
+    rank holds a full gradient in the reduce dtype until the last micro-batch. Off: only gradient shards are kept."""
     replicas: int = 1
-    """HSDP: R copies of the model, each sharded over world/R consecutive ranks (one node each when that is its
-    GPU count): weights are gathered and gradients reduce-scattered within a node, and only gradient shards
-    cross nodes (an all-reduce over the R copies). 1: every rank shards one copy (FSDP)."""
+    """HSDP: R copies of the model, each sharded over world/R consecutive ranks (e.g. one node), so only gradient
+    shards cross copies (an all-reduce over the R copies). 1: every rank shards one copy (FSDP)."""
 
     def __post_init__(self):
         if self.replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
 
 
-def init_distributed(device: str = "auto", timeout_s: int = 1800) -> tuple[int, int, torch.device]:
-    """Start the process group; returns (rank, world_size, device).
-
-    device: "cuda", "cpu", or "auto" (cuda when a GPU is visible). Under torchrun (RANK is set) the rendezvous
-    comes from its environment; without it this process is a world of one, so FSDP2 and every collective run
-    through exactly the same code. On CUDA the group has two backends: nccl for CUDA tensors and gloo for CPU
-    ones. Our own collectives use device tensors, but PyTorch's object collectives, barriers and checkpoint
-    planning, and any CPU tensor a later change reduces, then work too instead of failing only on GPUs.
-    """
+def init_distributed(device: str = "auto", replicas: int = 1, timeout_s: int = 1800) -> tuple[int, int, torch.device]:
+    """Start the process group on `device` (auto, cuda or cpu); returns (rank, world_size, device). Without torchrun
+    (no RANK) this process is a world of one, so FSDP2 and every collective run through the same code. On CUDA: nccl
+    for CUDA tensors, gloo for CPU ones (object collectives, barriers, DCP). replicas: checked to divide the world."""
     if device not in ("auto", "cuda", "cpu"):
         raise ValueError(f"--device {device!r} is not one of auto, cuda, cpu")
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world % replicas:
+        raise ValueError(f"--replicas {replicas} does not divide the {world} ranks")
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if cuda and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible to this process")
     device = torch.device("cuda", _local_gpu()) if cuda else torch.device("cpu")
     backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
     if cuda:
-        # Before the first allocation: segments that grow in place, instead of fragmenting under the changing
-        # shapes of padded micro-batches.
+        # Before the first allocation: segments grow in place instead of fragmenting under varying batch shapes.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         torch.cuda.set_device(device)
-        # cuDNN attention (SDPA's first choice on Hopper) builds a plan for every new (batch, length), ~15 ms of
-        # host time each, and each padded micro-batch brings a new length: in issue 14's profile of the 1B bench
-        # (H100), turning it off took this trainer from 16.8 to 25.9 pairs/s. Flash attention needs no plan.
+        torch.cuda.reset_peak_memory_stats(device)  # the peak is this run's, also after an earlier one in this process
+        # cuDNN attention (SDPA's pick on Hopper) plans on the host for each new padded length; flash needs no plan.
         torch.backends.cuda.enable_cudnn_sdp(False)
+    device_id = device if cuda else None
     if "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device if cuda else None)
-    else:
-        # A HashStore needs no free port, so two single-process runs on one machine never collide.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                device_id=device if cuda else None)
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device_id)
+    else:  # a HashStore needs no free port, so two single-process runs on one machine never collide
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
     return dist.get_rank(), dist.get_world_size(), device
 
 
 def on_rank0(fn, share: bool = True):
-    """fn() on rank 0 alone; its result (share=False: None elsewhere) or its failure then reaches every rank.
-
-    The other ranks wait on the process group's key-value store, not in a collective: a long rank-0 phase
-    (tokenizing a large dataset, loading or writing a full model) may outlast the collective timeout, and a
-    failure on rank 0 reaches them the moment it happens. A ValueError stays one on every rank, so each
-    reports bad input the same way; any other failure is a RuntimeError on the other ranks."""
+    """fn() on rank 0 alone; its result (share=False: None elsewhere) or failure (a ValueError as one, any other as a
+    RuntimeError) reaches every rank. The others wait on the store: a collective could time out in a long rank-0 job."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return fn()
-    _rank0_calls.append(None)  # every rank calls on_rank0 in the same order: the n-th call's key
-    key, store = f"dpo/on_rank0/{len(_rank0_calls)}", dist.distributed_c10d._get_default_store()
+    key = f"dpo/on_rank0/{next(_rank0_calls)}"
+    store = dist.distributed_c10d._get_default_store()
     if dist.get_rank() == 0:
         try:
             result = fn()
@@ -115,13 +106,8 @@ def on_rank0(fn, share: bool = True):
     return result
 
 
-_rank0_calls = []
-_RANK0_WAIT = timedelta(hours=24)  # the longest rank-0 phase the other ranks wait for
-
-
 def _local_gpu() -> int:
-    """This process's GPU: its local rank among the visible ones, or the only one when a launcher (SLURM,
-    Kubernetes) shows each process one GPU of its own through CUDA_VISIBLE_DEVICES."""
+    """This process's GPU: LOCAL_RANK, or 0 when a launcher (SLURM, Kubernetes) shows it one (CUDA_VISIBLE_DEVICES)."""
     local_rank, visible = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
     if visible == 1 and os.environ.get("CUDA_VISIBLE_DEVICES"):
         return 0
@@ -132,14 +118,12 @@ def _local_gpu() -> int:
 
 
 def find_block_class(model: nn.Module) -> type[nn.Module]:
-    """The transformer block class: from the model's `_no_split_modules`, else the longest ModuleList of
-    one repeated class (the decoder layer list). Raises ValueError when neither exists."""
+    """The transformer block class: named in `_no_split_modules`, else the longest ModuleList of one class's layers."""
     names = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():
         if type(module).__name__ in names:
             return type(module)
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    lists = [m for m in lists if len({type(x) for x in m}) == 1]
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len({type(x) for x in m}) == 1]
     if lists:
         return type(max(lists, key=len)[0])
     raise ValueError(f"no transformer block class found in {type(model).__name__}: it has no _no_split_modules "
@@ -152,30 +136,26 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_ac(model: nn.Module) -> None:
-    """Non-reentrant activation checkpointing on each transformer block, in place (module names and
-    state-dict keys are unchanged). Order: activation checkpointing, then (compile, then) apply_fsdp, so
-    the recomputation in backward re-gathers each block's parameters through FSDP's hooks."""
+    """Non-reentrant activation checkpointing on each transformer block, in place (names and state-dict keys
+    unchanged). Apply before apply_fsdp, so the recomputation re-gathers parameters through FSDP's hooks."""
     for block in _blocks(model):
         checkpoint(block)
 
 
 def build_sharded(make_model, full_model: nn.Module | None, mp_policy: MixedPrecisionPolicy, device: torch.device,
                   config: FSDPConfig, frozen: bool = False) -> nn.Module:
-    """make_model() built on the meta device (no memory), each block checkpointed (config, not when frozen) and
-    compiled (config), sharded, then filled from rank 0's `full_model` (None on other ranks). frozen=True: a
-    reference. Its weights, like any that make_model() made frozen (requires_grad False), are stored in
-    mp_policy's compute dtype."""
+    """make_model() on meta, checkpointed (unless frozen: a reference) and compiled as `config` asks, sharded, filled
+    from rank 0's `full_model` (None elsewhere). Never-changing weights (frozen, LoRA's base) get no float32 master."""
     with torch.device("meta"):
         model = make_model()
-    if mp_policy.param_dtype is not None:  # weights that never change (a reference, LoRA's frozen base) need no
-        for param in model.parameters():   # float32 master copy: kept in the compute dtype, gathered without a cast
+    if mp_policy.param_dtype is not None:
+        for param in model.parameters():
             if frozen or not param.requires_grad:
                 param.data = param.data.to(mp_policy.param_dtype)
     if config.activation_checkpointing and not frozen:
         apply_ac(model)
     if config.compile:
-        # After checkpointing, so the recomputation is compiled too; before FSDP, whose hooks then stay outside
-        # the compiled code (dynamo skips FSDP hooks). Module.compile keeps names and state-dict keys.
+        # After checkpointing, to compile the recomputation too; before FSDP, keeping its hooks out of the graph.
         for block in _blocks(model):
             block.compile(dynamic=True)
     apply_fsdp(model, mp_policy, device, frozen=frozen, reshard_after_forward=config.reshard_after_forward,
@@ -186,33 +166,22 @@ def build_sharded(make_model, full_model: nn.Module | None, mp_policy: MixedPrec
 
 def apply_fsdp(model: nn.Module, mp_policy: MixedPrecisionPolicy, device: torch.device, frozen: bool = False,
                reshard_after_forward: bool = True, replicas: int = 1) -> nn.Module:
-    """Shard `model` in place with FSDP2 over every rank on `device`: each transformer block, then the root.
-
-    The root group holds everything outside the blocks (embeddings, final norm, output layer). Tied input
-    and output embeddings are one parameter there, so the tie survives sharding and is gathered once.
-    frozen=True prepares a reference model: no gradients, eval mode, same sharding. replicas > 1: HSDP over a
-    (replicas, world / replicas) mesh, rank r in replica r // (world / replicas).
-    """
+    """Shard `model` in place with FSDP2 on `device`: each transformer block, then the root with the rest (ties kept).
+    frozen: a reference (no gradients, eval mode), always resharded. replicas=R > 1: HSDP, an (R, world/R) mesh."""
     world = dist.get_world_size()
-    if world % replicas:
-        raise ValueError(f"--replicas {replicas} does not divide the {world} ranks")
-    # An explicit mesh: FSDP2's default mesh takes CUDA whenever a GPU is visible, even for a CPU model. With
-    # a 2D mesh fully_shard shards over the last dimension and replicates over the first.
+    # An explicit mesh: FSDP2's default takes CUDA whenever a GPU is visible, even for a CPU model.
     mesh = init_device_mesh(device.type, (world,)) if replicas == 1 else _hsdp_mesh(device.type, replicas)
     if frozen:
         model.requires_grad_(False).eval()
-    # A frozen model has no backward, which is what reshards a block kept gathered after forward: it always
-    # reshards, or every rank would hold the whole reference. A trained root stays gathered after forward
-    # (FSDP2's default), as backward needs it at once.
     for block in _blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward or frozen)
+    # A trained root stays gathered after forward (FSDP2's default), as backward needs it at once.
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=True if frozen else None)
     return model
 
 
 def _hsdp_mesh(device_type: str, replicas: int):
-    """The (replicas, world / replicas) mesh, made once per process group: the policy and the reference share
-    its subgroups (each new one is another set of communicators)."""
+    """One mesh per process group, shared by the policy and the reference: each subgroup costs communicators."""
     key = (dist.group.WORLD, device_type, replicas)
     if key not in _meshes:
         _meshes.clear()
@@ -221,14 +190,10 @@ def _hsdp_mesh(device_type: str, replicas: int):
     return _meshes[key]
 
 
-_meshes = {}
-
-
 @contextlib.contextmanager
 def inference(model: nn.Module):
-    """Eval mode and no autograd for forward-only passes (evaluation, sampling, reference log-probs); then the
-    previous mode back and the parameters resharded: FSDP2 keeps the root gathered after a forward, for the
-    backward that usually follows, and the optimizer and checkpoints must be handed the shards again."""
+    """Eval mode and no autograd for forward-only passes; then the previous mode back and the root resharded,
+    which FSDP2 keeps gathered after forward for a backward, while the optimizer and checkpoints need shards."""
     was_training = model.training
     model.eval()
     try:
@@ -240,15 +205,11 @@ def inference(model: nn.Module):
 
 
 def load_from_rank0(model: nn.Module, full_model: nn.Module | None, device: torch.device) -> None:
-    """Materialise a sharded (meta-device) model on `device` and fill it from rank 0's full model.
-
-    Rank 0 passes its fully loaded CPU model; other ranks pass None and never hold more than one full
-    tensor at a time: each is broadcast, and every rank keeps only its shard.
-    """
+    """Materialise a sharded meta-device model on `device` and fill it from rank 0's full CPU model (None on
+    other ranks, which never hold more than one full tensor: each is broadcast, and every rank keeps its shard)."""
     model.to_empty(device=device)
     state = full_model.state_dict() if full_model is not None else {}
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, state, options=options)
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     # Buffers are not sharded, and non-persistent ones (e.g. rotary inv_freq) are not in the state dict.
     for name, buf in model.named_buffers():
         if full_model is not None:
@@ -257,9 +218,7 @@ def load_from_rank0(model: nn.Module, full_model: nn.Module | None, device: torc
 
 
 def gather_full_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Full, unsharded state dict on CPU on rank 0, floating tensors cast to `dtype` (default: the master
-    dtype); an empty dict on other ranks. Tied parameters (input and output embeddings) are one tensor under
-    each of their names, as in the model, so save_pretrained writes them once whatever the world size."""
+    """Full state dict on CPU on rank 0 ({} elsewhere), floats cast to `dtype` if given; ties stay one tensor."""
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     first = {}  # id(parameter) -> its first name: gathered over several ranks, each alias got a copy of its own
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -277,11 +236,8 @@ def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch
 
 def save_pretrained(model: nn.Module, folder: str, dtype: torch.dtype, tokenizer=None,
                     extra: dict | None = None, merge=None) -> None:
-    """A sharded Hugging Face model as a save_pretrained folder: weights gathered in `dtype` (the same tensor
-    names as the model's own save_pretrained), its config recording that dtype, the tokenizer, and each
-    {file name: JSON-able} of `extra`. merge: state -> (model, state), applied on rank 0 to the float32 state
-    before the cast, returns the model to write it with (e.g. LoRA adapters folded into the base model's
-    weights). Call on every rank; rank 0 writes."""
+    """A sharded Hugging Face model as a save_pretrained folder in `dtype`, plus save_files(tokenizer, extra).
+    merge: float32 state -> (model to write with, state), e.g. folding LoRA in. Call on every rank; rank 0 writes."""
     state = gather_full_state_dict(model, torch.float32 if merge else dtype)
 
     def write():  # rank 0; the others wait on the store, however long the files take
@@ -300,3 +256,13 @@ def save_files(folder: str, tokenizer=None, extra: dict | None = None) -> None:
     for name, obj in (extra or {}).items():
         with open(os.path.join(folder, name), "w") as f:
             json.dump(obj, f, indent=2)
+
+
+def exit_without_shutdown(code: int | str | None) -> None:
+    """Exit now with sys.exit's `code`, skipping interpreter shutdown, where a gloo thread still releasing a
+    collective's tensors can abort (SIGABRT) a run that wrote everything. Files are closed and flushed by then."""
+    if isinstance(code, str):  # sys.exit("message") prints it
+        print(code, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else int(code is not None))

@@ -1,16 +1,15 @@
 """LoRA through peft: low-rank adapters train while the base model stays frozen, and the base model itself
 (the adapters switched off) is DPO's reference, so LoRA DPO holds one model's weights, not two.
-
 Copyable on its own: imports only the standard library and torch; peft when adapters are asked for.
 
     model = add_adapters(model, LoraConfig(lora_rank=16), block_class)  # a peft model: only adapters train
     reference = WithoutAdapters(model)                    # the base model: peft's disable_adapter() per call
     state = gather_adapters(model)                        # the adapters in full on rank 0 (a collective)
-    model.save_pretrained(folder, state_dict=state)       # rank 0: a peft adapter folder
+    save_adapters(model, folder, state, base_model=None)  # rank 0: a peft adapter folder
     hf_model, merged = merge_adapters(model, full_state)  # W + (alpha / rank) B A, under the base model's names
 """
 
-import importlib
+import importlib.util
 import warnings
 from dataclasses import dataclass
 
@@ -22,9 +21,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 @dataclass
 class LoraConfig:
     lora_rank: int = 0
-    """LoRA: train rank-R adapters (through peft) on --lora-targets while the base weights stay frozen, kept in
-    the compute dtype; the reference is the same model with its adapters off, not a second copy. 0: full
-    fine-tuning."""
+    """LoRA: train rank-R adapters (through peft) on --lora-targets, the base weights frozen in the compute dtype;
+    the reference is the same model with its adapters off, not a second copy. 0: full fine-tuning."""
     lora_alpha: float = 16.0
     """Adapter scale: an adapted weight is W + (alpha / rank) B A."""
     lora_targets: tuple[str, ...] = ()
@@ -46,22 +44,17 @@ class LoraConfig:
             raise ValueError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
         if self.export_merged and not self.lora_rank:
             raise ValueError("--export-merged needs --lora-rank (full fine-tuning always exports merged weights)")
-
-
-def import_peft():
-    """The peft module, or ImportError saying how to install it."""
-    try:
-        return importlib.import_module("peft")
-    except ImportError:
-        raise ImportError("--lora-rank needs the peft package: pip install peft") from None
+        if self.lora_rank and importlib.util.find_spec("peft") is None:  # the one check; later imports are lazy
+            raise ValueError("--lora-rank needs the peft package: pip install peft")
 
 
 def add_adapters(model: nn.Module, config: LoraConfig, block_class: type[nn.Module], seed: int = 0) -> nn.Module:
-    """`model` (a Hugging Face causal LM) as a peft model with LoRA adapters on config.lora_targets (default:
-    every nn.Linear inside a `block_class` module), every other weight frozen. B starts at zero, so the model
-    computes exactly what it did; A is drawn from a generator seeded by `seed`, leaving the global one as it
-    was. On the meta device nothing is drawn: fill it from a model made here on the CPU."""
-    peft = import_peft()
+    """`model` (a Hugging Face causal LM) as a peft model with LoRA adapters on config.lora_targets (default: every
+    nn.Linear in a `block_class` module), all else frozen. B starts at zero, so the model computes what it did; A
+    is drawn from a generator seeded by `seed`, the global one untouched. On the meta device nothing is drawn: fill
+    it from a model made here on the CPU."""
+    import peft
+
     targets = list(config.lora_targets) or _block_linears(model, block_class)
     lora = peft.LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                            target_modules=targets, task_type="CAUSAL_LM")
@@ -87,9 +80,8 @@ def _block_linears(model: nn.Module, block_class: type[nn.Module]) -> list[str]:
 
 
 class WithoutAdapters:
-    """A peft model with its adapters off, for code that takes a model (DPO's reference): calls run it under
-    peft's disable_adapter() and in eval mode (no dropout, as a frozen reference copy would be), and every other
-    attribute is the model's own."""
+    """A peft model with its adapters off, as DPO's reference: calls run it under peft's disable_adapter() in eval
+    mode (no dropout, as a frozen copy would be); every other attribute is the model's own."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -120,29 +112,20 @@ def gather_adapters(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def check_mergeable(model: nn.Module) -> None:
-    """Raise ValueError unless merge_adapters can fold every adapter of the peft `model` into a weight the
-    Hugging Face export keeps: LoRA on nn.Linear layers whose weight no other module shares (a tied output
-    layer is dropped from the export in favour of the input embeddings)."""
-    peft = import_peft()
-    names = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
+    """Raise ValueError unless merge_adapters can fold every adapter into a weight: LoRA on nn.Linear layers only."""
+    import peft
+
     for name, module in model.named_modules():
-        if isinstance(module, peft.tuners.lora.LoraLayer):
-            if not isinstance(module, peft.tuners.lora.Linear):
-                raise ValueError(f"--export-merged merges adapters on linear layers only; {name} is a "
-                                 f"{type(module).__name__}")
-            shared = [n for n in names[id(module.base_layer.weight)] if not n.startswith(name)]
-            if shared:
-                short = lambda n: n.removeprefix("base_model.model.")
-                raise ValueError(f"--export-merged: {short(name)} shares its weight with {short(shared[0])}")
+        if isinstance(module, peft.tuners.lora.LoraLayer) and not isinstance(module, peft.tuners.lora.Linear):
+            raise ValueError(f"--export-merged merges adapters on linear layers only; "
+                             f"{name.removeprefix('base_model.model.')} is a {type(module).__name__}")
 
 
 def merge_adapters(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """(the Hugging Face model under the peft model, its state dict): `state`, a full state dict of the peft
-    `model` (as gathered, adapters included), with each adapted weight W replaced by W + scale B A in
-    float32, scale = alpha / rank (peft's module.scaling), and every name as the base model's own."""
-    peft = import_peft()
+    """(the Hugging Face model under the peft `model`, its state dict): `state`, the peft model's full state dict,
+    with each adapted weight W replaced by W + (alpha / rank) B A in float32, under the base model's names."""
+    import peft
+
     state = dict(state)
     for name, module in model.named_modules():
         if isinstance(module, peft.tuners.lora.LoraLayer):
@@ -153,3 +136,10 @@ def merge_adapters(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[nn
                 state[weight] = state[weight].float() + (delta.T if module.fan_in_fan_out else delta)
     prefix = "base_model.model."  # PeftModel.base_model (the LoraModel) .model (the Hugging Face model)
     return model.get_base_model(), {k.removeprefix(prefix).replace(".base_layer.", "."): v for k, v in state.items()}
+
+
+def save_adapters(model: nn.Module, folder: str, adapters: dict[str, torch.Tensor], base_model: str | None) -> None:
+    """Write peft's adapter folder of the gathered `adapters` (on one rank), naming `base_model`, if any, as base."""
+    if base_model:
+        model.peft_config["default"].base_model_name_or_path = base_model
+    model.save_pretrained(folder, state_dict=adapters)

@@ -1,18 +1,15 @@
-"""What a run reports: DPO pair statistics summed on device and reduced once per step, memory, MFU, the
-console (rank 0 only) and metrics.jsonl.
+"""What a run reports: pair statistics, memory, MFU, the console (rank 0 only), metrics.jsonl and W&B.
 
 Copyable on its own: imports only the standard library and torch.
 
-    sums += pair_sums(out, weight)           # per micro-batch, no host sync
-    dist.all_reduce(sums)                    # once per step
+    sums += pair_stats(out).sum(0)           # per micro-batch, no host sync; dist.all_reduce(sums) once per step
     row = pair_means(sums, n_pairs)          # {"loss": ..., "rewards/accuracies": ..., ...}
     log = RunLog("runs/x", resume_step=0, samples=True, wandb_project=None, config={})
-    log.write({"step": 1, "split": "train", **row}); log.close()   # metrics.jsonl (rank 0), metrics.png
+    log.write({"step": 1, "split": "train", **row})   # metrics.jsonl (rank 0); log.close() plots metrics.png
 """
 
 import json
 import os
-import pathlib
 import resource
 import sys
 
@@ -23,38 +20,31 @@ PAIR_METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracie
                 "logps/chosen", "logps/rejected")
 
 
-def pair_sums(out: dict, weight: torch.Tensor) -> torch.Tensor:
-    """Weighted sums over pairs of each PAIR_METRICS entry, as one (7,) tensor: no host sync.
-
-    out: per-pair (B,) tensors "losses", "chosen_rewards", "rejected_rewards", "chosen_logps",
-    "rejected_logps"; weight: (B,), 0 for pairs that must not count.
-    """
+def pair_stats(out: dict) -> torch.Tensor:
+    """(B, 7): each pair's PAIR_METRICS from pair_loss's (B,) tensors. Sum them on the device; reduce once a step."""
     cr, rr = out["chosen_rewards"], out["rejected_rewards"]
-    per_pair = [out["losses"].detach(), cr, rr, (cr > rr).float(), cr - rr, out["chosen_logps"],
-                out["rejected_logps"]]
-    return torch.stack([(x * weight).sum() for x in per_pair])
+    return torch.stack([out["losses"].detach(), cr, rr, (cr > rr).float(), cr - rr, out["chosen_logps"],
+                        out["rejected_logps"]], dim=1)
 
 
-def pair_means(sums: torch.Tensor, count: float, keys: tuple[str, ...] = PAIR_METRICS) -> dict:
-    """{metric name: sum / count} for the first len(PAIR_METRICS) entries of `sums`, those named in `keys`."""
+def pair_means(sums: torch.Tensor, count: float, pairwise: bool = True) -> dict:
+    """{metric: sum / count} of PAIR_METRICS; SFT (pairwise=False) runs no rejected rows: only loss and logps/chosen."""
+    keys = PAIR_METRICS if pairwise else ("loss", "logps/chosen")
     return {k: v / count for k, v in zip(PAIR_METRICS, sums.tolist()) if k in keys}
 
 
-def step_metrics(sums: torch.Tensor, peaks: torch.Tensor, seconds: float, batch_size: int,
-                 keys: tuple[str, ...] = PAIR_METRICS) -> dict:
-    """A train row from a step's reduced sums [PAIR_METRICS..., non-padding tokens, all tokens, model FLOPs] and
-    maxima [peak memory, ...]: pair means (those in `keys`), throughput, padding efficiency, FLOPs, the fullest
-    rank's memory."""
+def step_metrics(sums: torch.Tensor, peaks: torch.Tensor, seconds: float, batch_size: int, pairwise: bool,
+                 world: int, device: torch.device, precision: str) -> dict:
+    """A train row from a step's reduced sums [PAIR_METRICS..., tokens, token slots, FLOPs] and maxima [peak memory]."""
     tokens, slots, flops = sums[-3:].tolist()
-    return {**pair_means(sums[:-3], batch_size, keys), "tokens_per_s": tokens / seconds,
+    return {**pair_means(sums[:-3], batch_size, pairwise), "tokens_per_s": tokens / seconds,
             "pairs_per_s": batch_size / seconds, "padding_efficiency": tokens / slots, "flops": flops,
-            "peak_mem_gb": peaks[0].item()}
+            "peak_mem_gb": peaks[0].item(), **mfu(flops, seconds, world, device, precision)}
 
 
 def flop_coefficients(model) -> tuple[float, float, float]:
-    """(a, b, c) for forward_flops, from a Hugging Face causal LM (sharded or not): a = 2 per weight of every
-    matmul in the blocks (embeddings are lookups; the output layer is c), b = attention's two (T x T) matmuls
-    per layer, c = 2 per output-layer weight. Counts every expert of a mixture of experts."""
+    """(a, b, c) for forward_flops from a Hugging Face causal LM (sharded or not): a = 2 per weight of every matmul
+    in the blocks (every expert's), b = attention's two (T x T) matmuls per layer, c = 2 per output-layer weight."""
     head = model.get_output_embeddings().weight
     lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)} | {id(head)}
     linear = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in lookups)
@@ -64,61 +54,89 @@ def flop_coefficients(model) -> tuple[float, float, float]:
 
 
 def forward_flops(coefficients: tuple[float, float, float], rows: int, length: int, scored: int) -> float:
-    """Model FLOPs of one forward over (rows, length) token slots whose output layer runs on `scored` positions.
-    Attention is counted whole, as PyTorch's FlopCounterMode counts it (a causal kernel skips about half of
-    it: at 1k tokens, 3% of a 1B model's FLOPs). A backward is twice its forward; recomputation (activation
-    checkpointing, the fused head's logits) is not model FLOPs and is not counted."""
+    """Model FLOPs of one forward over (rows, length) token slots, the output layer on `scored` of them. Attention
+    counts whole, as in PyTorch's FlopCounterMode (a causal kernel skips about half); recomputation does not count."""
     a, b, c = coefficients
     return rows * length * (a + b * length) + c * scored
 
 
+def batch_counts(coefficients: tuple[float, float, float], pairwise: bool, passes: int, reference: bool,
+                 batch) -> torch.Tensor:
+    """(3,) [tokens, token slots, model FLOPs] of a batches.PairBatch, with no sync (slots, FLOPs from shapes): the
+    policy's rows (SFT: the chosen) run `passes` forwards' worth (3: with backward), a reference one on all rows."""
+    ran = batch if pairwise else batch.chosen()
+    rows, length = ran.input_ids.shape
+    flops = passes * forward_flops(coefficients, rows, length, len(ran.score_index))
+    if reference:
+        flops += forward_flops(coefficients, *batch.input_ids.shape, len(batch.score_index))
+    slots = torch.full((), float(rows * length), device=batch.input_ids.device)
+    return torch.stack([ran.attention_mask.sum().float(), slots, torch.full((), flops, device=slots.device)])
+
+
 def peak_memory_gb(device: torch.device) -> float:
-    """Peak memory of this process so far: CUDA max allocated on a GPU, else host max RSS."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def host_memory_by_rank_gb(device: torch.device) -> list[float]:
-    """Every rank's peak host memory so far (max RSS), in GB; a collective over a tensor on `device` (the
-    training device: an nccl-only group takes no CPU tensor)."""
+    """Every rank's peak host memory (max RSS) in GB; a collective on `device` (nccl-only groups take no CPU tensor)."""
     rss = torch.zeros(dist.get_world_size(), device=device)
     rss[dist.get_rank()] = peak_memory_gb(torch.device("cpu"))
     dist.all_reduce(rss)
     return rss.tolist()
 
 
-# Dense peak FLOP/s per GPU by name fragment, most specific first: (bf16/fp16 tensor cores, fp32), from the
-# vendors' data sheets.
-_PEAK_FLOPS = {"H100 PCIe": (756e12, 51e12), "H100": (989e12, 67e12), "H200": (989e12, 67e12),
-               "B200": (2250e12, 80e12), "A100": (312e12, 19.5e12), "L40S": (362e12, 91.6e12),
-               "A10G": (125e12, 31.2e12), "L4": (121e12, 30.3e12)}
+# Dense peak FLOP/s per GPU by name fragment, most specific first: (bf16/fp16 tensor cores, fp32), from data sheets.
+_PEAK_FLOPS = {"H100 PCIe": (756e12, 51e12), "H100": (989e12, 67e12), "H200": (989e12, 67e12), "B200": (2250e12, 80e12),
+               "A100": (312e12, 19.5e12), "L40S": (362e12, 91.6e12), "A10G": (125e12, 31.2e12), "L4": (121e12, 30.3e12)}
 
 
 def mfu(flops: float, seconds: float, world: int, device: torch.device, precision: str) -> dict:
-    """{"mfu": a step's model FLOPs over `seconds` and all ranks' dense peak} on a GPU of known peak
-    (_PEAK_FLOPS), else {}."""
     peak = device_peak_flops(torch.cuda.get_device_name(device), precision) if device.type == "cuda" else None
     return {"mfu": flops / seconds / (world * peak)} if peak else {}
 
 
 def device_peak_flops(name: str, precision: str) -> float | None:
-    """Peak FLOP/s of the GPU called `name` (torch.cuda.get_device_name) in `precision`; None if unknown."""
     for fragment, (half, single) in _PEAK_FLOPS.items():
         if fragment in name:
             return single if precision == "fp32" else half
     return None
 
 
+def _rank0() -> bool:
+    return dist.get_rank() == 0 if dist.is_initialized() else os.environ.get("RANK", "0") == "0"
+
+
+def sharded_line(model) -> str:
+    params = list(model.parameters())
+    line = f"{sum(p.numel() for p in params) / 1e6:.1f}M params"
+    trained = sum(p.numel() for p in params if p.requires_grad)
+    if trained < sum(p.numel() for p in params):
+        line += f" ({trained / 1e6:.2f}M trained)"
+    mesh = params[0].device_mesh.shape  # (ranks,), or HSDP's (replicas, shards)
+    hsdp = f" as {mesh[0]} replicas x {mesh[1]} shards (HSDP)" if len(mesh) == 2 else ""
+    return f"{line}, {dist.get_world_size()} rank(s){hsdp} on {params[0].device} ({dist.get_backend()})"
+
+
 def say(msg: str) -> None:
-    """Rank 0 prints `msg` on stderr, clearing the progress bar's line on a terminal."""
-    if (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))) == 0:
+    if _rank0():
         print(("\r\033[K" if sys.stderr.isatty() else "") + msg, file=sys.stderr, flush=True)
 
 
+def eval_line(step: int, n_pairs: int, m: dict, samples: list[dict]) -> str:
+    line = f"eval at step {step} ({n_pairs} pairs): loss {m['loss']:.4f}"
+    if "rewards/margins" in m:
+        line += f" reward accuracy {m['rewards/accuracies']:.3f} margin {m['rewards/margins']:.3f}"
+    if "samples/preferred" in m:
+        line += f" | demo scorer prefers {m['samples/preferred']:.0%} of samples"
+    if samples:
+        line += f" | {samples[0]['prompt']!r} -> {samples[0]['completion']!r}"
+    return line
+
+
 def show_progress(step: int, total: int, m: dict) -> None:
-    """Rank 0's progress bar: one redrawn line on a terminal, a line every 5% when stderr is a file."""
-    if dist.is_initialized() and dist.get_rank() != 0:
+    if not _rank0():
         return
     done = int(30 * step / total)
     pairs = f"acc {m['rewards/accuracies']:.2f} margin {m['rewards/margins']:.3f} " if "rewards/margins" in m else ""
@@ -131,27 +149,29 @@ def show_progress(step: int, total: int, m: dict) -> None:
 
 
 def open_log(path: str, resume_step: int):
-    """metrics.jsonl ({"step", ...} rows), opened line-buffered for appending. A fresh run (resume_step 0)
-    starts it anew; a resumed run keeps the rows up to its step and drops any logged after that checkpoint
-    (they will be logged again), so one file holds the whole history once."""
-    rows = []
-    if resume_step and os.path.exists(path):
-        with open(path) as f:
-            rows = [line for line in f if json.loads(line)["step"] <= resume_step]
-    _write_atomic(path, lambda tmp: pathlib.Path(tmp).write_text("".join(rows)))
-    return open(path, "a", buffering=1)
+    """A JSON Lines file of {"step", ...} rows, line-buffered for appending. A resumed run keeps the rows up to its
+    step and cuts later ones (logged again) in one truncate: an interruption leaves the old file or the kept rows."""
+    f = open(path, "a+" if resume_step else "w+", buffering=1)
+    f.seek(0)
+    keep = 0
+    for line in iter(f.readline, ""):
+        if json.loads(line)["step"] > resume_step:
+            break
+        keep = f.tell()
+    f.truncate(keep)
+    return f
 
 
 def plot_metrics(jsonl_path: str, png_path: str) -> bool:
-    """Loss, reward accuracy and margin against step, train and eval, from metrics.jsonl into a PNG.
-    Returns False, writing nothing, when matplotlib (imported here, lazily) is not installed."""
+    """Loss, reward accuracy and margin by step, metrics.jsonl into a PNG; False (none written) without matplotlib."""
     try:
         from matplotlib.figure import Figure  # no pyplot: no global backend or state is touched
     except ImportError:
         return False
     with open(jsonl_path) as f:
         rows = [json.loads(line) for line in f]
-    fig = Figure(figsize=(15, 4), layout="tight")
+    fig = Figure(figsize=(15, 4))  # fixed margins: a layout engine would draw the figure twice
+    fig.subplots_adjust(left=0.055, right=0.98, bottom=0.12, top=0.93, wspace=0.2)
     for ax, key in zip(fig.subplots(1, 3), ("loss", "rewards/accuracies", "rewards/margins")):
         for split, style in (("train", "-"), ("eval", "o-")):
             points = [(r["step"], r[key]) for r in rows if r["split"] == split and key in r]
@@ -160,26 +180,34 @@ def plot_metrics(jsonl_path: str, png_path: str) -> bool:
         ax.set(title=key, xlabel="step")
         if ax.lines:  # SFT has no rewards to plot
             ax.legend()
-    _write_atomic(png_path, lambda tmp: fig.savefig(tmp, format="png"))
+    fig.savefig(png_path, format="png")
     return True
 
 
-def _write_atomic(path: str, write) -> None:  # a reader never sees half a file (data.write_atomic's twin)
-    write(path + ".tmp")
-    os.replace(path + ".tmp", path)
-
-
 class RunLog:
-    """Where a run's rows go: {out_dir}/metrics.jsonl, samples.jsonl and W&B, written by rank 0 (a call on any
-    other rank does nothing). A resumed run keeps the rows up to its step (see open_log)."""
+    """A run's rows into {out_dir}/metrics.jsonl, samples.jsonl and W&B by rank 0 (elsewhere calls do nothing)."""
 
     def __init__(self, out_dir: str, resume_step: int, samples: bool, wandb_project: str | None, config: dict):
-        rank0 = (dist.get_rank() if dist.is_initialized() else 0) == 0
+        rank0 = _rank0()
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.metrics = open_log(self.path, resume_step) if rank0 else None
         self.samples = open_log(os.path.join(out_dir, "samples.jsonl"), resume_step) if rank0 and samples else None
         self.wandb = open_wandb(wandb_project, config, out_dir) if rank0 and wandb_project else None
+
+    def write_data(self, summaries: dict[str, dict], fresh: bool) -> None:
+        """Show each data split's counts (data.tokenize_pairs' summary); a fresh run also logs them at step 0."""
+        for split, summary in summaries.items():
+            d = {k: v for k, v in summary.items() if not isinstance(v, dict)}
+            if fresh:
+                self.write({"step": 0, "split": f"data/{split}", **d})
+            if d["pairs"] or d["dropped"]:
+                say(f"{split} data: {d['pairs']} pairs; dropped {d['dropped']} (empty response {d['dropped_empty']}, "
+                    f"identical {d['dropped_identical']}, of which after truncation "
+                    f"{d['identical_after_truncation']}); truncated {d['truncated']} (prompts "
+                    f"{d['truncated_prompts']}, responses {d['truncated_responses']})")
+            elif split == "eval":
+                say("no --eval-data or --eval-fraction: evaluation skipped")
 
     def write(self, row: dict, samples: list[dict] | None = None) -> None:
         for f, rows in ((self.metrics, [row]), (self.samples, samples or [])):
@@ -189,7 +217,6 @@ class RunLog:
             self.wandb.log(row, samples)
 
     def close(self) -> None:
-        """Close the files, plot metrics.png (a notice if matplotlib is missing) and finish the W&B run."""
         for f in (self.metrics, self.samples):
             if f:
                 f.close()
@@ -200,15 +227,12 @@ class RunLog:
 
 
 class open_wandb:
-    """A Weights & Biases run that takes metrics.jsonl rows (as {split}/{metric} at the row's step) and
-    samples (as a table). wandb is imported lazily; without it, a ValueError says how to install it."""
+    """A W&B run taking rows as {split}/{metric} at the row's step, samples as a table; wandb is imported lazily."""
 
     def __init__(self, project: str, config: dict, out_dir: str):
-        try:
-            import wandb
-        except ImportError:
-            raise ValueError("--wandb-project needs the wandb package: pip install wandb") from None
-        self._wandb, self.run = wandb, wandb.init(project=project, config=config, dir=out_dir)
+        import wandb
+        self._wandb = wandb
+        self.run = wandb.init(project=project, config=config, dir=out_dir)
 
     def log(self, row: dict, samples: list[dict] | None = None) -> None:
         data = {f"{row['split']}/{k}": v for k, v in row.items()

@@ -11,11 +11,7 @@ float32; only the all-gathered copy used for forward and backward takes the comp
     fp16   float16            float32                   torch.amp.GradScaler
     auto   bf16 on a CUDA device with native bfloat16 (Ampere or newer), otherwise fp32
 
-On a CPU, auto is fp32: bf16 is fast only with native bf16 instructions (avx512_bf16 or AMX: 1.6x fp32 on the
-2-core bench machine) and crawls without them (AVX2 only: 35x slower), while float32 gives the same numbers on
-every CPU. An explicit bf16 on a CPU without them says so once (Precision.warning).
-
---reduce-dtype bf16 (with bf16 only) trades the float32 gradient reduction for half the traffic.
+On a CPU auto is fp32: bf16 crawls without native bf16 instructions (BENCHMARKS.md), and fp32 runs alike on all.
 """
 
 import math
@@ -42,9 +38,10 @@ class PrecisionConfig:
     fp16 steps whose loss is finite but whose gradients overflow only lower the loss scale and do not count."""
 
     def __post_init__(self):
-        for name, low in (("max_grad_norm", 0), ("max_skipped_steps", 1)):
-            if not getattr(self, name) >= low:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
+        if not self.max_grad_norm >= 0:
+            raise ValueError(f"--max-grad-norm must be >= 0, got {self.max_grad_norm}")
+        if self.max_skipped_steps < 1:
+            raise ValueError(f"--max-skipped-steps must be >= 1, got {self.max_skipped_steps}")
 
 
 @dataclass(frozen=True)
@@ -55,19 +52,17 @@ class Precision:
     """Dtype of the gathered parameters, activations and logits."""
     mp_policy: MixedPrecisionPolicy
     """FSDP2 policy: gather parameters in compute_dtype, reduce gradients in float32 (or bf16 if asked)."""
-    scaler: torch.amp.GradScaler | None
-    """Dynamic loss scaler for fp16, else None."""
+    scaler: torch.amp.GradScaler
+    """Dynamic loss scaler, enabled for fp16; otherwise scale() and unscale_() do nothing and step() is
+    optimizer.step(), so one training loop serves every mode."""
     warning: str | None = None
     """Why this choice will be slow on this machine, for the caller to print once; None when it will not."""
 
 
 def resolve_precision(config: PrecisionConfig, device: torch.device) -> Precision:
-    """Turn a precision config into dtypes, the FSDP2 policy and (fp16) a GradScaler for `device`.
-
-    Raises ValueError for an unknown name, for bf16 on a CUDA device without bfloat16 support, and for a
-    bf16 gradient reduction under any other precision.
-    """
-    name, choices = config.precision, ", ".join(get_args(PrecisionName))
+    """The dtypes, FSDP2 policy and GradScaler of `config` on `device`; ValueError for a combination it can't run."""
+    name = config.precision
+    choices = ", ".join(get_args(PrecisionName))
     if name not in get_args(PrecisionName):
         raise ValueError(f"--precision {name!r} is not one of {choices}")
     # Emulation does not count: a V100 or T4 "supports" bf16 through float32 kernels, far slower than fp16.
@@ -86,17 +81,17 @@ def resolve_precision(config: PrecisionConfig, device: torch.device) -> Precisio
     dtype = _DTYPES[name]
     # Float32 by default: summing N bf16/fp16 gradients loses bits, and fp16 can overflow mid-reduction.
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=_DTYPES[config.reduce_dtype])
-    scaler = torch.amp.GradScaler(device.type) if name == "fp16" else None
+    scaler = torch.amp.GradScaler(device.type, enabled=name == "fp16")
     warning = None
     if name == "bf16" and device.type == "cpu" and cpu_has_native_bf16() is False:
         warning = ("--precision bf16: this CPU has no native bfloat16 (no avx512_bf16 or amx_bf16 in /proc/cpuinfo), "
-                   "so every bf16 matmul is emulated, ~35x slower than fp32; --precision fp32 (or auto) is faster here")
+                   "so every bf16 matmul is emulated, many times slower than fp32; --precision fp32 (or auto) is "
+                   "faster here")
     return Precision(name=name, compute_dtype=dtype, mp_policy=policy, scaler=scaler, warning=warning)
 
 
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
-    """Whether this CPU computes bfloat16 natively (x86: avx512_bf16 or amx_bf16; Arm: bf16), from Linux's
-    /proc/cpuinfo; None where that file does not exist (macOS, Windows)."""
+    """Whether this CPU has native bfloat16 (x86: avx512_bf16 or amx_bf16; Arm: bf16); None without cpuinfo."""
     try:
         with open(cpuinfo) as f:
             flags = {word for line in f if line.startswith(("flags", "Features")) for word in line.split()}
@@ -105,35 +100,7 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
-def skip_counts(scaler: torch.amp.GradScaler | None, loss: float) -> bool:
-    """Whether a skipped step counts toward a run's limit of failures: not when its loss is finite and fp16's
-    scaled gradients overflowed, which is the scaler finding its scale (from 2^16 the first steps often do),
-    until the scale is below 1, where halving it is no longer the cure."""
-    return not (scaler is not None and math.isfinite(loss) and scaler.get_scale() >= 1)
-
-
-def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
-                  max_norm: float, loss_sum: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """Unscale (fp16), clip the global gradient norm to max_norm (0: no clipping), then step, unless the norm
-    or `loss_sum` is not finite; zero the gradients either way. Returns (norm before clipping, skipped).
-
-    With FSDP the norm is reduced over all shards, and `loss_sum` should be reduced over ranks too: every
-    rank then takes the same decision, so a NaN or an fp16 overflow on any one rank skips the step (and
-    backs the loss scale off) on all of them.
-    """
-    if scaler:
-        scaler.unscale_(optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf)
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
-    skipped = not bool(torch.isfinite(norm) & torch.isfinite(loss_sum))
-    if not skipped:
-        scaler.step(optimizer) if scaler else optimizer.step()
-        if scaler:
-            scaler.update()
-    elif scaler:
-        # Back off by hand: the gradients are sharded, so this rank's own overflow check may have seen none. And
-        # restart the growth count, which update(scale) keeps, or the scale regrows at the next good step.
-        scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
-        scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": 0})
-    optimizer.zero_grad(set_to_none=True)
-    return norm, skipped
+def skip_counts(scaler: torch.amp.GradScaler, loss: float) -> bool:
+    """Whether a skipped step counts toward --max-skipped-steps: not when its loss is finite and fp16's gradients
+    overflowed, which is the scaler finding its scale, unless the scale is below 1, where halving is no cure."""
+    return not (scaler.is_enabled() and math.isfinite(loss) and scaler.get_scale() >= 1)

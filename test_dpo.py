@@ -27,19 +27,20 @@ import torch.distributed as dist
 import transformers
 
 import train_dpo
-import batches
 import data
 import fsdp_setup
 import metrics
 import precision
 from batches import build_batches, build_eval_batches, collate_pairs, pair_lengths, rank_share
-from data import DataConfig, DataError, PairTokens, load_tokens, read_rows, tokenize_pairs, tokenize_to_cache, write_jsonl
+from data import (DataConfig, DataError, PairTokens, load_tokenizer, load_tokens, read_rows, tokenize_pairs,
+                  tokenize_to_cache, write_jsonl)
 from demo import demo_pairs, score_completion
 from fsdp_setup import apply_ac, find_block_class, gather_full_state_dict
 from lora import LoraConfig, WithoutAdapters
-from loss import model_logps, preference_loss, sequence_logps
+from loss import add_scored_head, pair_logps, pair_loss, preference_loss, response_logps, sequence_logps
 from metrics import PAIR_METRICS, device_peak_flops
-from precision import PrecisionConfig, clip_and_step, resolve_precision
+from models import load_full_model, load_model_config
+from precision import PrecisionConfig, resolve_precision
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ON_CPU = ("--device", "cpu")
@@ -48,6 +49,7 @@ needs_cuda = pytest.mark.skipif(not GPUS, reason="needs a CUDA GPU")
 needs_cuda_bf16 = pytest.mark.skipif(not GPUS or not torch.cuda.is_bf16_supported(including_emulation=False),
                                      reason="needs a CUDA GPU with native bfloat16")
 CACHE = tempfile.mkdtemp(prefix="dpo-test-cache-")  # tokenized data, shared by the tests' runs
+SUBPROCESS_ENV = {**os.environ, "PYTHONPATH": HERE}  # the repo's files importable from a script in tmp_path
 CPU = torch.device("cpu")
 
 
@@ -60,10 +62,24 @@ def world_of_one():
         dist.destroy_process_group()
 
 
+def tiny_config():
+    """The trainer's default model's config and tokenizer."""
+    tokenizer = load_tokenizer("tiny")
+    return load_model_config("tiny", tokenizer), tokenizer
+
+
 def tiny(seed):
-    """The trainer's default model, built in full on CPU, with its tokenizer."""
-    config, tokenizer = train_dpo.load_model_config("tiny")
-    return train_dpo.load_full_model("tiny", config, seed), tokenizer
+    """The trainer's default model, built in full on CPU with its output layer scoring responses, and its
+    tokenizer."""
+    config, tokenizer = tiny_config()
+    return add_scored_head(load_full_model("tiny", config, seed)), tokenizer
+
+
+def forward_pairs(policy, reference, batch, objective, ref_logps=None, tokens_per_pair=None):
+    """The trainer's forward and loss of a micro-batch (loss.pair_logps, then loss.pair_loss); `ref_logps` (2B,)
+    stands for --ref precompute's rows."""
+    logps, ref = pair_logps(policy, reference, batch, objective.pairwise, ref_logps)
+    return pair_loss(logps, ref, batch.response_lengths, objective, tokens_per_pair)
 
 
 def tokenize(pairs, tok, max_length=128, max_prompt_length=64, truncation="keep_end"):
@@ -95,21 +111,32 @@ def read_metrics(out_dir, split="train"):
         return [r for r in map(json.loads, f) if r["split"] == split]
 
 
+# The held-out set of the tests' demo runs: the first 32 of the demo's 256, so that an evaluation is cheap.
+HELD_OUT = write_jsonl(os.path.join(CACHE, "held-out.jsonl"), demo_pairs("eval")[:32])
+
+
+def trainer_args(out, *args, device="cpu"):
+    """The tests' train_dpo.py flags: the demo data with HELD_OUT (unless args name data), batches of 16, no
+    samples or step-0 evaluation unless asked."""
+    held_out = []
+    if not {"--data", "--eval-data", "--eval-fraction"} & set(args):
+        held_out = ["--eval-data", HELD_OUT]
+    return ["--out-dir", str(out), "--cache-dir", CACHE, "--batch-size", "16", "--warmup-steps", "2", "--num-samples",
+            "0", "--no-eval-before", "--device", device, *held_out, *args]
+
+
 def run(tmp_path, name, *args, device="cpu"):
-    """train_dpo.main in this process on the demo data, no samples or step-0 evaluation unless asked; returns
-    the out_dir."""
+    """train_dpo.main in this process (trainer_args); returns the out_dir."""
     out = str(tmp_path / name)
-    train_dpo.main(["--out-dir", out, "--cache-dir", CACHE, "--batch-size", "16", "--warmup-steps", "2",
-                    "--num-samples", "0", "--no-eval-before", "--device", device, *args])
+    train_dpo.main(trainer_args(out, *args, device=device))
     return out
 
 
 def torchrun(nproc, out, *args, script=None, device="cpu", env=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(script or os.path.join(HERE, "train_dpo.py")), "--out-dir", out, "--cache-dir", CACHE, "--batch-size",
-           "16", "--warmup-steps", "2", "--num-samples", "0", "--no-eval-before", "--device", device, *args]
+           str(script or os.path.join(HERE, "train_dpo.py")), *trainer_args(out, *args, device=device)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE, **(env or {})})
+                          env={**SUBPROCESS_ENV, "OMP_NUM_THREADS": "1", **(env or {})})  # a core per rank
 
 
 def load_safetensors(folder):
@@ -147,11 +174,14 @@ def test_preference_loss_matches_hand_computed_values(loss_type):
     rc, rr = [-1.5, -3.0, -2.0, -500.0, -500.0], [-1.5, -2.0, -2.0, -500.0, -500.0]
     beta, eps, gamma, tau = 0.25, (0.2 if loss_type in ("cdpo", "robust") else 0.0), 0.3, 0.05
     sig, n = _sig, len(pc)
-    dpo = lambda z: -_logsig(z)
+    def dpo(z):
+        return -_logsig(z)
     # bco_pair's shift: the batch mean of all rewards; aot and aot_pair pair up sorted values across the batch.
     d = beta * sum((a - c) + (b - e) for a, b, c, e in zip(pc, pr, rc, rr)) / (2 * n)
-    aot = [beta * (x - y) for x, y in zip(sorted(a - b for a, b in zip(pc, pr)), sorted(c - e for c, e in zip(rc, rr)))]
-    aot_pair = [beta * (x - y) for x, y in zip(sorted(a - c for a, c in zip(pc, rc)), sorted(b - e for b, e in zip(pr, rr)))]
+    policy_margins, ref_margins = sorted(a - b for a, b in zip(pc, pr)), sorted(c - e for c, e in zip(rc, rr))
+    chosen_ratios, rejected_ratios = sorted(a - c for a, c in zip(pc, rc)), sorted(b - e for b, e in zip(pr, rr))
+    aot = [beta * (x - y) for x, y in zip(policy_margins, ref_margins)]
+    aot_pair = [beta * (x - y) for x, y in zip(chosen_ratios, rejected_ratios)]
     expected = []
     for i, (a, b, c, e) in enumerate(zip(pc, pr, rc, rr)):
         cw, rw = a - c, b - e
@@ -177,7 +207,8 @@ def test_preference_loss_matches_hand_computed_values(loss_type):
             "robust": (-(1 - eps) * _logsig(beta * h) + eps * _logsig(-beta * h)) / (1 - 2 * eps),
             "simpo": -_logsig(beta * (a - b) - gamma),
         }[loss_type])
-    t = lambda xs: torch.tensor(xs, dtype=torch.float64, requires_grad=True)
+    def t(xs):
+        return torch.tensor(xs, dtype=torch.float64, requires_grad=True)
     free = loss_type in ("simpo", "sft")
     inputs = [t(pc), t(pr)] + ([] if free else [t(rc), t(rr)])
     refs = (None, None) if free else inputs[2:]
@@ -265,49 +296,63 @@ def test_batch_layout_right_pads_rows_and_indexes_exactly_the_response_tokens():
     batch = collate_pairs(pairs, pad_id=tok.pad_token_id)
     rows = [(p, p["chosen"]) for p in pairs] + [(p, p["rejected"]) for p in pairs]
     width = max(len(p["prompt"]) + len(r) for p, r in rows)
-    assert batch["input_ids"].shape == (4, width) == (4, 1 + 21 + 1)  # the longest row, not max_length
-    flat_ids = batch["input_ids"].flatten()
+    assert batch.input_ids.shape == (4, width) == (4, 1 + 21 + 1)  # the longest row, not max_length
+    flat_ids = batch.input_ids.flatten()
     for i, (p, resp) in enumerate(rows):
         end = len(p["prompt"]) + len(resp)
-        assert batch["input_ids"][i, :end].tolist() == p["prompt"] + resp and resp[-1] == tok.eos_token_id
-        assert batch["attention_mask"][i].tolist() == [1] * end + [0] * (width - end)  # padding only after
-        assert batch["labels"][i].tolist() == [-100] * len(p["prompt"]) + resp + [-100] * (width - end)
+        assert batch.input_ids[i, :end].tolist() == p["prompt"] + resp and resp[-1] == tok.eos_token_id
+        assert batch.attention_mask[i].tolist() == [1] * end + [0] * (width - end)  # padding only after
+        assert batch.labels[i].tolist() == [-100] * len(p["prompt"]) + resp + [-100] * (width - end)
         # The scored positions of row i: each is the one before its target token, in this row.
-        mine = batch["score_rows"] == i
-        assert batch["score_targets"][mine].tolist() == resp
-        assert (flat_ids[batch["score_index"][mine] + 1] == batch["score_targets"][mine]).all()
-        assert (batch["score_index"][mine] // width == i).all()
-    assert batch["chosen_scored"] == sum(len(p["chosen"]) for p in pairs)
-    assert (batch["score_rows"][:batch["chosen_scored"]] < 2).all()  # chosen rows' tokens come first
+        mine = batch.score_rows == i
+        assert batch.score_targets[mine].tolist() == resp
+        assert (flat_ids[batch.score_index[mine] + 1] == batch.score_targets[mine]).all()
+        assert (batch.score_index[mine] // width == i).all()
+    assert batch.chosen_scored == sum(len(p["chosen"]) for p in pairs)
+    assert (batch.score_rows[:batch.chosen_scored] < 2).all()  # chosen rows' tokens come first
     # sequence_logps on the labels scores the same tokens: perturbing every other position changes nothing.
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, width, len(tok), generator=g)
-    base = sequence_logps(logits, batch["labels"])
+    base = sequence_logps(logits, batch.labels)
     scored = torch.zeros(4 * width, dtype=torch.bool)
-    scored[batch["score_index"]] = True
+    scored[batch.score_index] = True
     noisy = torch.where(scored.view(4, width, 1), logits, torch.randn(logits.shape, generator=g) * 50)
-    torch.testing.assert_close(sequence_logps(noisy, batch["labels"]), base, rtol=0, atol=0)
+    torch.testing.assert_close(sequence_logps(noisy, batch.labels), base, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("head", ["fused", "with_bias"])
 def test_padded_batch_log_probs_equal_unpadded_rows_and_the_head_sees_only_response_tokens(head, monkeypatch):
     import loss
-    policy, tok = tiny(seed=2)
+    config, tok = tiny_config()
+    policy = load_full_model("tiny", config, seed=2)
     monkeypatch.setattr(loss, "FUSED_HEAD_ON_CPU", True)  # the GPU path, here on the CPU
-    if head == "with_bias":  # a head with extras runs itself on the gathered positions instead of _HeadLogps
+    if head == "with_bias":  # a head with extras runs itself on the gathered positions, then the log-softmax
         policy.lm_head.bias = torch.nn.Parameter(torch.randn(len(tok)) * 0.1)
+    add_scored_head(policy)
     texts = [{"prompt": "Review the red kettle:", "chosen": " Great. 5/5", "rejected": " The kettle is bad. 1/5"},
              {"prompt": "Hi", "chosen": " A much longer and more detailed answer here.", "rejected": " No."},
              {"prompt": "Rate the lamp please:", "chosen": "!", "rejected": " meh"}]
     pairs = tokenize(texts, tok, 128, 64)
     batch = collate_pairs(pairs, tok.pad_token_id)
-    seen, fused = [], loss._HeadLogps.apply
-    policy.lm_head.register_forward_hook(lambda module, args, out: seen.append(tuple(args[0].shape)))
-    monkeypatch.setattr(loss._HeadLogps, "apply", staticmethod(lambda h, *a: seen.append(tuple(h.shape)) or fused(h, *a)))
-    out = train_dpo.forward_pairs(policy, None, batch, train_dpo.LossConfig(loss="simpo"))
+    seen, token_logps, linear = [], loss._TokenLogps.apply, torch.nn.Linear.forward
+
+    def record_linear(module, x):  # what reaches the vocabulary projection as a plain matmul
+        if module is policy.lm_head:
+            seen.append(("matmul", tuple(x.shape)))
+        return linear(module, x)
+
+    def record_logps(x, index, targets, weight):
+        seen.append(("fused" if weight is not None else "log-softmax", tuple(x.shape)))
+        return token_logps(x, index, targets, weight)
+    monkeypatch.setattr(torch.nn.Linear, "forward", record_linear)
+    monkeypatch.setattr(loss._TokenLogps, "apply", staticmethod(record_logps))
+    out = forward_pairs(policy, None, batch, train_dpo.LossConfig(loss="simpo"))
     scored = sum(len(p[k]) for p in pairs for k in ("chosen", "rejected"))
-    # Every scored token once, no prompt or padding position; fused, the head's own matmul gets no rows at all.
-    assert seen == ([(1, 0, 128), (scored, 128)] if head == "fused" else [(1, scored, 128)])
+    # Every scored token once, no prompt or padding position; fused, no (N, V) logits exist at all.
+    if head == "fused":
+        assert seen == [("fused", (scored, 128))]
+    else:
+        assert seen == [("matmul", (scored, 128)), ("log-softmax", (scored, len(tok)))]
     naive = []
     for i, p in enumerate(pairs):
         for key in ("chosen", "rejected"):
@@ -318,67 +363,9 @@ def test_padded_batch_log_probs_equal_unpadded_rows_and_the_head_sees_only_respo
             naive.append(alone[0] * len(p[key]))
     # The gradients of the summed log-probs, for every weight, against the naive float32 log_softmax's.
     params = list(policy.parameters())
-    ours = torch.autograd.grad(model_logps(policy, batch).sum(), params)
+    ours = torch.autograd.grad(response_logps(policy, batch).sum(), params)
     for g, n in zip(ours, torch.autograd.grad(sum(naive), params)):
         torch.testing.assert_close(g, n, rtol=1e-4, atol=1e-5)
-
-
-def test_packed_layout_fills_rows_up_to_the_budget_and_restarts_positions_per_sequence():
-    _, tok = tiny(seed=0)
-    texts = [{"prompt": f"Prompt number {i}:", "chosen": " yes" * (i + 1), "rejected": " no" * (5 - i)}
-             for i in range(5)]
-    pairs = tokenize(texts, tok, 64, 32)
-    budget = 48
-    batch = collate_pairs(pairs, tok.pad_token_id, pack_length=budget)
-    seqs = [(p["prompt"], p[k]) for k in ("chosen", "rejected") for p in pairs]
-    ids, width = batch["input_ids"].flatten(), batch["input_ids"].shape[1]
-    assert width <= budget and len(batch["input_ids"]) < len(seqs)  # fewer rows than sequences: some share one
-    assert batch["attention_mask"].sum() == sum(len(p) + len(r) for p, r in seqs)  # every token once
-    for i, (prompt, response) in enumerate(seqs):
-        at = batch["score_index"][batch["score_rows"] == i]
-        start = at[0].item() - len(prompt) + 1  # the sequence's first token, as a flat position
-        row, col = divmod(start, width)
-        assert ids[start:start + len(prompt) + len(response)].tolist() == prompt + response
-        assert batch["position_ids"][row, col:col + len(prompt) + len(response)].tolist() == list(
-            range(len(prompt) + len(response)))
-        assert (batch["doc_ids"][row, col:col + len(prompt) + len(response)] == batch["doc_ids"][row, col]).all()
-        assert (batch["doc_ids"][row, :col] != batch["doc_ids"][row, col]).all()  # the row's earlier sequences
-        assert batch["score_targets"][batch["score_rows"] == i].tolist() == response
-        assert (row < batch["chosen_rows"]) == (i < len(pairs))  # chosen sequences fill the first rows
-    assert batch["chosen_scored"] == sum(len(p["chosen"]) for p in pairs)
-    with pytest.raises(ValueError, match="sliding window of 64 tokens"):  # a mask that would drop the window
-        train_dpo._check_packing(transformers.MistralConfig(sliding_window=64), max_length=128)
-    train_dpo._check_packing(transformers.MistralConfig(sliding_window=128), max_length=128)  # never reached
-    g = random.Random(0)  # the packing itself: every sequence once, within the budget, in few rows
-    for _ in range(500):
-        lengths, budget = [g.randint(1, 300) for _ in range(g.randint(1, 12))], g.randint(50, 400)
-        rows = batches._pack(range(len(lengths)), lengths, budget)
-        fills = [sum(lengths[i] for i in row) for row in rows]
-        assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
-        assert all(f <= budget or len(row) == 1 for f, row in zip(fills, rows))
-        assert len(rows) == len(lengths) or len(rows) <= 1 + -(-sum(lengths) // budget) * 2
-
-
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_packed_log_probs_and_gradients_equal_padded_ones(attention):
-    policy, tok = tiny(seed=3)
-    policy.config._attn_implementation = attention
-    texts = [{"prompt": "Review the red kettle:", "chosen": " Great. 5/5", "rejected": " The kettle is bad. 1/5"},
-             {"prompt": "Hi", "chosen": " A much longer and more detailed answer here.", "rejected": " No."},
-             {"prompt": "Rate the lamp please:", "chosen": "!", "rejected": " meh"}]
-    pairs = tokenize(texts, tok, 128, 64)
-    padded, packed = collate_pairs(pairs, tok.pad_token_id), collate_pairs(pairs, tok.pad_token_id, pack_length=60)
-    assert (packed["doc_ids"].amax(1) >= 2).any()  # some row holds two sequences, and no row crosses the budget
-    params = list(policy.parameters())
-    for loss_type in ("dpo", "sft"):  # sft: the chosen rows alone
-        objective = train_dpo.LossConfig(loss=loss_type)
-        ref = torch.randn(6) if loss_type == "dpo" else None
-        a, b = (train_dpo.forward_pairs(policy, None, x, objective, ref, tokens_per_pair=9.0) for x in (padded, packed))
-        torch.testing.assert_close(b["chosen_logps"], a["chosen_logps"], rtol=1e-5, atol=1e-5)  # chosen, rejected:
-        torch.testing.assert_close(b["rejected_logps"], a["rejected_logps"], rtol=1e-5, atol=1e-5)  # pair order
-        for g, h in zip(torch.autograd.grad(a["losses"].sum(), params), torch.autograd.grad(b["losses"].sum(), params)):
-            torch.testing.assert_close(h, g, rtol=1e-4, atol=1e-6)
-    assert b["tokens"][0] == a["tokens"][0] and b["tokens"][1] < a["tokens"][1]  # the same tokens, less padding
 
 
 def test_chunked_logps_match_naive_across_chunk_boundaries_and_save_no_float_copy(monkeypatch):
@@ -405,7 +392,8 @@ def test_chunked_logps_match_naive_across_chunk_boundaries_and_save_no_float_cop
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_head_log_probs_match_float32_oracle_across_chunks_and_keep_no_logits(dtype, monkeypatch):
     import loss
-    monkeypatch.setattr(loss, "_chunk_rows", lambda vocab, device, matmul=False: 3)  # 10 rows: 4 chunks, the last partial
+    # 10 rows in chunks of 3: 4 chunks, the last partial
+    monkeypatch.setattr(loss, "_chunk_rows", lambda vocab, device, matmul=False: 3)
     g = torch.Generator().manual_seed(2)
     hidden, weight = torch.randn(10, 16, generator=g), torch.randn(50, 16, generator=g) * 0.3
     targets = torch.randint(0, 50, (10,), generator=g)
@@ -413,7 +401,7 @@ def test_fused_head_log_probs_match_float32_oracle_across_chunks_and_keep_no_log
     h32, w32 = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()  # the same values
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        ours = loss._HeadLogps.apply(h, w, targets)
+        ours = loss._TokenLogps.apply(h, None, targets, w)
     oracle = (h32 @ w32.T).log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 3e-2}
     assert ours.dtype == torch.float32
@@ -431,23 +419,26 @@ def test_fused_head_log_probs_match_float32_oracle_across_chunks_and_keep_no_log
 @pytest.mark.parametrize("loss, online, lora_rank", [("dpo", True, 0), ("dpo", False, 0), ("sft", False, 0),
                                                      ("dpo", True, 4)])
 def test_logged_flops_match_pytorch_flop_counter(loss, online, lora_rank):
-    from types import SimpleNamespace
     from torch.utils.flop_counter import FlopCounterMode
-    config, tok = train_dpo.load_model_config("tiny")
+    config, tok = tiny_config()
     config._attn_implementation = "eager"  # attention as matmuls, which the counter sees (CPU SDPA it does not)
     objective = train_dpo.LossConfig(loss=loss)
     cfg = train_dpo.Config(objective=objective, lora=LoraConfig(lora_rank=lora_rank))
-    policy = train_dpo.adapt(cfg, train_dpo.load_full_model("tiny", config, 0))
+    policy = train_dpo.prepare_model(cfg, load_full_model("tiny", config, 0))
     # LoRA: the reference is the policy with its adapters off, and the backward makes no base weight gradient
-    reference = None if not online else WithoutAdapters(policy) if lora_rank else \
-        copy.deepcopy(policy).eval().requires_grad_(False)
+    reference = None
+    if online and lora_rank:
+        reference = WithoutAdapters(policy)
+    elif online:
+        reference = copy.deepcopy(policy).eval().requires_grad_(False)
     batch = collate_pairs(tokenize(demo_pairs("train")[:4], tok, 128, 64), tok.pad_token_id)
-    ref_logps = None if online or loss == "sft" else torch.zeros(len(batch["input_ids"]))  # --ref precompute
+    ref_logps = None if online or loss == "sft" else torch.zeros(len(batch.input_ids))  # --ref precompute
     with FlopCounterMode(display=False) as counter:
-        out = train_dpo.forward_pairs(policy, reference, batch, objective, ref_logps, tokens_per_pair=10.0)
+        out = forward_pairs(policy, reference, batch, objective, ref_logps, tokens_per_pair=10.0)
         out["losses"].sum().backward()
-    models = SimpleNamespace(flops=metrics.flop_coefficients(policy), reference=reference)
-    ours = train_dpo._flops(models, batch, cfg)
+    counts = metrics.batch_counts(metrics.flop_coefficients(policy), loss != "sft", 2 if lora_rank else 3,
+                                  reference is not None, batch)
+    ours = counts[2].item()
     # Equal on the CPU path; on a GPU the counter would also see the fused head recompute its logits in
     # backward, which model FLOPs leave out.
     assert ours == pytest.approx(counter.get_total_flops(), rel=0.1)
@@ -458,7 +449,7 @@ def test_step0_loss_is_ln2_and_rewards_zero():
     policy, tok = tiny(seed=3)
     reference = copy.deepcopy(policy).eval()
     pairs = tokenize(demo_pairs("train")[:6], tok, 128, 64)
-    out = train_dpo.forward_pairs(policy, reference, collate_pairs(pairs, tok.pad_token_id),
+    out = forward_pairs(policy, reference, collate_pairs(pairs, tok.pad_token_id),
                                   train_dpo.LossConfig())
     torch.testing.assert_close(out["losses"], torch.full((6,), math.log(2)))
     assert out["chosen_rewards"].eq(0).all() and out["rejected_rewards"].eq(0).all()
@@ -478,7 +469,8 @@ def _bos_tokenizer():
 
 def test_truncation_keeps_prompt_end_then_cuts_responses():
     _, tok = tiny(seed=0)
-    ids = lambda s: [b + 3 for b in s.encode()]  # ByT5: one token per byte, offset by 3 specials
+    def ids(s):
+        return [b + 3 for b in s.encode()]  # ByT5: one token per byte, offset by 3 specials
     eos = tok.eos_token_id
     fits, long_prompt, long_both = tokenize([
         {"prompt": "abcd", "chosen": "xyz", "rejected": "q"},            # 4 + 4 <= 12: untouched
@@ -491,7 +483,8 @@ def test_truncation_keeps_prompt_end_then_cuts_responses():
     # A tokenizer that adds BOS keeps it through truncation, and it counts towards max_prompt_length.
     (bos_pair,) = tokenize([{"prompt": "abcdefgh", "chosen": "xyz", "rejected": "x"}], _bos_tokenizer(),
                                  max_length=8, max_prompt_length=4)
-    letters = lambda s: [ord(c) - ord("a") + 3 for c in s]
+    def letters(s):
+        return [ord(c) - ord("a") + 3 for c in s]
     assert bos_pair == {"prompt": [1] + letters("fgh"), "chosen": letters("xyz") + [2], "rejected": letters("x") + [2]}
 
 
@@ -515,11 +508,13 @@ def test_max_prompt_length_follows_max_length_unless_given(tmp_path, capsys):
 
 
 def test_json_lines_and_json_array_load_the_same_pairs(tmp_path):
-    rows = [{"prompt": "p1", "chosen": "c1", "rejected": "r1", "extra": 1}, {"prompt": "p2", "chosen": "c2", "rejected": "r2"}]
+    rows = [{"prompt": "p1", "chosen": "c1", "rejected": "r1", "extra": 1},
+            {"prompt": "p2", "chosen": "c2", "rejected": "r2"}]
     (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     (tmp_path / "b.json").write_text(json.dumps(rows, indent=2))
     expected = [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows]
-    strip = lambda rows: [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows]
+    def strip(rows):
+        return [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows]
     a, b = read_rows(str(tmp_path / "a.jsonl")), read_rows(str(tmp_path / "b.json"))
     assert strip(a) == expected == strip(b)
     assert [r["where"] for r in a] == [f"{tmp_path / 'a.jsonl'}:1", f"{tmp_path / 'a.jsonl'}:2"]
@@ -530,14 +525,17 @@ def test_demo_is_deterministic_with_disjoint_held_out_items():
     train, held_out = demo_pairs("train"), demo_pairs("eval")
     assert all(score_completion(p["chosen"]) == 1 and score_completion(p["rejected"]) == -1 for p in train)
     assert train == demo_pairs("train") and len(train) >= 1024 and len(held_out) >= 128
-    item = lambda p: p["prompt"].split()[-1]
+    def item(p):
+        return p["prompt"].split()[-1]
     assert not {item(p) for p in train} & {item(p) for p in held_out}
     assert all("5/5" in p["chosen"] and "1/5" in p["rejected"] for p in train + held_out)
 
 
 @pytest.mark.parametrize("grouped", [False, True])
 def test_build_batches_disjoint_across_ranks_and_deterministic(grouped):
-    lengths = [(random.Random(i).randint(5, 300), random.Random(-i).randint(5, 300)) for i in range(1000)] if grouped else None
+    lengths = None
+    if grouped:
+        lengths = [(random.Random(i).randint(5, 300), random.Random(-i).randint(5, 300)) for i in range(1000)]
     one = build_batches(1000, 8, seed=5, epoch=0, lengths=lengths)
     assert len(one) == 125 and all(len(b) == 8 for b in one)
     for batch in one:
@@ -567,12 +565,13 @@ def test_length_grouping_gives_at_least_90_percent_real_tokens_on_mixed_lengths(
     rng, pairs = random.Random(0), []
     for _ in range(4096):
         prompt, chosen = rng.randint(10, 400), rng.randint(20, 400)
-        pairs.append({"prompt": [5] * prompt, "chosen": [6] * chosen, "rejected": [7] * int(chosen * rng.uniform(0.8, 1.25))})
+        rejected = int(chosen * rng.uniform(0.8, 1.25))
+        pairs.append({"prompt": [5] * prompt, "chosen": [6] * chosen, "rejected": [7] * rejected})
 
     def efficiency(lengths):
         real = total = 0
         for batch in build_batches(len(pairs), 16, seed=0, epoch=0, lengths=lengths):
-            mask = collate_pairs([pairs[i] for i in batch], pad_id=0)["attention_mask"]
+            mask = collate_pairs([pairs[i] for i in batch], pad_id=0).attention_mask
             real, total = real + mask.sum().item(), total + mask.numel()
         return real / total
     grouped, shuffled = efficiency(pair_lengths(as_tokens(pairs).lengths)), efficiency(None)
@@ -595,7 +594,8 @@ def _tokens_of(path, tok, **config):
 
 def test_each_format_gives_the_tokens_generation_sees(tmp_path):
     _, tok = tiny(seed=0)
-    ids = lambda s: tok(s, add_special_tokens=False)["input_ids"]
+    def ids(s):
+        return tok(s, add_special_tokens=False)["input_ids"]
     eos, user = tok.eos_token_id, [{"role": "user", "content": "Rate the mug"}]
     good, bad = [{"role": "assistant", "content": "Great. 5/5"}], [{"role": "assistant", "content": "Bad. 1/5"}]
     chat_prompt = tok.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
@@ -632,13 +632,15 @@ def test_implicit_prefix_backs_off_to_a_token_boundary_and_boundary_merges_keep_
     assert pair == {"prompt": [5], "chosen": [7, 1], "rejected": [2, 4, 1]}
     # An explicit prompt ending in "a" before a response starting with "b": jointly "ab" would swallow the
     # boundary. The prompt keeps its own ids (what generation starts from); that response is tokenized alone.
-    (pair,), summary = _tokens_of(_write_jsonl(tmp_path / "b.jsonl", [{"prompt": "xa", "chosen": "bc", "rejected": "c"}]), tok)
+    path = _write_jsonl(tmp_path / "b.jsonl", [{"prompt": "xa", "chosen": "bc", "rejected": "c"}])
+    (pair,), summary = _tokens_of(path, tok)
     assert pair == {"prompt": [5, 2], "chosen": [3, 4, 1], "rejected": [4, 1]} and summary["retokenized"] == 1
 
 
 def test_truncation_modes_and_dropped_pairs_are_counted(tmp_path):
     _, tok = tiny(seed=0)
-    ids = lambda s: tok(s, add_special_tokens=False)["input_ids"]
+    def ids(s):
+        return tok(s, add_special_tokens=False)["input_ids"]
     eos = tok.eos_token_id
     rows = [{"prompt": "0123456789", "chosen": "ab", "rejected": "c"},       # prompt cut to 5, responses fit
             {"prompt": "0123456789", "chosen": "abcdefgh", "rejected": "c"},  # prompt cut, then responses to 7
@@ -672,12 +674,14 @@ def test_pairs_identical_once_truncated_are_dropped_and_counted(tmp_path):
 
 ROW_ERRORS = {
     "mixed.jsonl": ('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"chosen": "ab", "rejected": "ac"}\n',
-                    ":2: this row is implicit-prompt standard, but the first row (", "mixed formats in one file are refused"),
+                    ":2: this row is implicit-prompt standard, but the first row (",
+                    "mixed formats in one file are refused"),
     "mixedfields.jsonl": ('{"prompt": "a", "chosen": [{"role": "assistant", "content": "b"}], "rejected": "c"}\n',
                           ":1: fields mix strings and message lists", ""),
     "badmessage.json": ('[\n{"prompt": [{"role": "user"}], "chosen": [], "rejected": []}]',
                         ":2: field 'prompt' message 0: expected", ""),
-    "noprefix.jsonl": ('{"chosen": "abc", "rejected": "xyz"}\n', ":1: fields 'chosen' and 'rejected' share no prefix", ""),
+    "noprefix.jsonl": ('{"chosen": "abc", "rejected": "xyz"}\n', ":1: fields 'chosen' and 'rejected' share no prefix",
+                       ""),
 }
 
 
@@ -691,12 +695,13 @@ def test_malformed_rows_name_file_line_and_field(tmp_path, name):
     assert str(info.value).startswith(f"{tmp_path / name}{message}") and more in str(info.value), str(info.value)
 
 
-def test_inspector_prints_the_trained_tokens_decoded_and_a_summary(tmp_path):
+def test_inspector_prints_the_trained_tokens_decoded_and_a_summary(tmp_path, capsys):
     rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "chosen": [{"role": "assistant", "content": "yes" * i}],
              "rejected": [{"role": "assistant", "content": "no"}]} for i in range(1, 5)]
     path = _write_jsonl(tmp_path / "conv.jsonl", rows)
     proc = subprocess.run([sys.executable, os.path.join(HERE, "data.py"), path, "--model", "tiny", "--show", "2",
-                           "--max-length", "34", "--max-prompt-length", "24"], capture_output=True, text=True, timeout=120)
+                           "--max-length", "34", "--max-prompt-length", "24"],
+                          capture_output=True, text=True, timeout=120, env=SUBPROCESS_ENV)
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
     assert len(lines) == 3
@@ -708,10 +713,10 @@ def test_inspector_prints_the_trained_tokens_decoded_and_a_summary(tmp_path):
     assert summary["pairs"] == 4 and summary["dropped"] == 0 and summary["truncated"] == 2
     assert summary["truncated_prompts"] == 2 and summary["truncated_responses"] == 1
     assert summary["tokens_before_truncation"]["response"]["p100"] == 13
-    bad = subprocess.run([sys.executable, os.path.join(HERE, "data.py"), str(tmp_path / "nope.jsonl"), "--model", "tiny"],
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and bad.stderr.strip() == f"error: {tmp_path / 'nope.jsonl'}: no such file " \
-        "(give a .jsonl/.json path, hub:NAME[:split] or demo)"
+    with pytest.raises(SystemExit) as exit_info:  # the CLI's own path, in this process: a bad file
+        data.inspect([str(tmp_path / "nope.jsonl"), "--model", "tiny"])
+    assert exit_info.value.code == 2 and capsys.readouterr().err.strip() == f"error: {tmp_path / 'nope.jsonl'}: no " \
+        "such file (give a .jsonl/.json path, hub:NAME[:split] or demo)"
 
 
 def test_hub_path_reads_a_saved_dataset_like_the_file(tmp_path, monkeypatch):
@@ -719,7 +724,8 @@ def test_hub_path_reads_a_saved_dataset_like_the_file(tmp_path, monkeypatch):
     rows = demo_pairs("eval")[:5]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
     datasets.DatasetDict({"test": datasets.Dataset.from_list(rows[:2])}).save_to_disk(str(tmp_path / "dd"))
-    strip = lambda rows: [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows]
+    def strip(rows):
+        return [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows]
     hub = read_rows(f"hub:{tmp_path / 'ds'}")
     assert strip(hub) == rows and hub[4]["where"] == f"hub:{tmp_path / 'ds'} row 5"
     assert strip(read_rows(f"hub:{tmp_path / 'dd'}:test")) == rows[:2]
@@ -746,7 +752,8 @@ def test_eval_fraction_holds_out_a_fixed_disjoint_share(tmp_path):
                               _write_jsonl(tmp_path / "b.jsonl", rows[25:]),), eval_fraction=0.25)
     assert len(config.data) == 2  # comma-separated files
     train, evals, summary = prepare_data(config, tok, str(tmp_path / "cache"))
-    prompts = lambda t: {tok.decode(t[i]["prompt"]) for i in range(len(t))}
+    def prompts(t):
+        return {tok.decode(t[i]["prompt"]) for i in range(len(t))}
     assert len(train) == 30 and len(evals) == 10 and summary["eval"]["pairs"] == 10
     assert prompts(train) | prompts(evals) == {f"p{i}" for i in range(40)} and not prompts(train) & prompts(evals)
     _, again, _ = prepare_data(DataConfig(data=config.data, eval_fraction=0.25), tok, str(tmp_path / "other"))
@@ -767,7 +774,7 @@ def only_rank0(*args, **kwargs):
     calls.append(1)
     return real(*args, **kwargs)
 data.tokenize_pairs = only_rank0
-_, tok = train_dpo.load_model_config("tiny")
+tok = data.load_tokenizer("tiny")
 for round in range(2):  # the second call finds the cache and tokenizes nothing
     config = data.DataConfig(data=(sys.argv[1],), eval_fraction=0.5, cache_dir=sys.argv[2])
     train, evals, summary = data.load_tokens(fsdp_setup.on_rank0(lambda: data.tokenize_to_cache(config, tok)))
@@ -784,7 +791,7 @@ def test_two_ranks_tokenize_once_on_rank_0_and_share_the_cache(tmp_path):
     path = _write_jsonl(tmp_path / "p.jsonl", demo_pairs("eval")[:20])
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(script), path, str(cache)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE})
+                          env={**SUBPROCESS_ENV, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = sorted((cache / f).read_text().split() for f in os.listdir(cache) if f.startswith("rank"))
     assert len(rows) == 4 and len({tuple(r[1:4]) for r in rows}) == 1  # both ranks, both calls: the same tokens
@@ -798,7 +805,8 @@ def test_several_files_of_different_formats_train_end_to_end(tmp_path):
     pairs = demo_pairs("train")[:32]
     std = _write_jsonl(tmp_path / "std.jsonl", pairs[:16])
     conv = _write_jsonl(tmp_path / "conv.jsonl", [
-        {"prompt": [{"role": "user", "content": p["prompt"]}], "chosen": [{"role": "assistant", "content": p["chosen"]}],
+        {"prompt": [{"role": "user", "content": p["prompt"]}],
+         "chosen": [{"role": "assistant", "content": p["chosen"]}],
          "rejected": [{"role": "assistant", "content": p["rejected"]}]} for p in pairs[16:]])
     out = run(tmp_path, "run", "--data", std, "--data", conv, "--eval-fraction", "0.25", "--batch-size", "8",
               "--max-steps", "2")
@@ -808,10 +816,12 @@ def test_several_files_of_different_formats_train_end_to_end(tmp_path):
 
 
 BAD_INPUTS = {
-    "malformed.jsonl": ('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": \n', ":2: invalid JSON"),
-    "missing.jsonl": ('{"prompt": "a", "chosen": "b", "rejected": "c"}\n\n{"prompt": "a", "chosen": "b"}\n', ":3: missing field 'rejected'"),
-    "notstr.json": ('[\n  {"prompt": "a", "chosen": "b", "rejected": "c"},\n  {"prompt": "a", "chosen": 7, "rejected": "c"}\n]',
-                    ":3: field 'chosen' must be a string"),
+    "malformed.jsonl": ('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": \n',
+                        ":2: invalid JSON"),
+    "missing.jsonl": ('{"prompt": "a", "chosen": "b", "rejected": "c"}\n\n{"prompt": "a", "chosen": "b"}\n',
+                      ":3: missing field 'rejected'"),
+    "notstr.json": ('[\n  {"prompt": "a", "chosen": "b", "rejected": "c"},\n'
+                    '  {"prompt": "a", "chosen": 7, "rejected": "c"}\n]', ":3: field 'chosen' must be a string"),
     "badarray.json": ('[{"prompt": "a", "chosen": "b", "rejected": "c"}\n {"prompt": "a"}]', ":2: invalid JSON"),
     "notobject.jsonl": ('["a", "b", "c"]\n', ":1: expected an object"),
     "empty.jsonl": ("\n  \n", ":1: empty file"),
@@ -840,15 +850,12 @@ def test_bad_input_is_one_clean_line_and_writes_nothing(tmp_path, capsys, name):
 def test_bad_input_from_the_command_line_has_no_traceback(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "chosen": "b", "rejected": 3}\n')
-    for args in (["--data", str(bad)], ["--batch-size", "30", "--micro-batch-size", "4"]):
+    for args, message in ((["--data", str(bad)], "bad.jsonl:1: field 'rejected'"),
+                          (["--batch-size", "30", "--micro-batch-size", "4"], "--batch-size 30 must be a multiple")):
         proc = subprocess.run([sys.executable, os.path.join(HERE, "train_dpo.py"), "--out-dir", str(tmp_path / "o"),
-                               *ON_CPU, *args],
-                              capture_output=True, text=True, timeout=120)
+                               *ON_CPU, *args], capture_output=True, text=True, timeout=120, env=SUBPROCESS_ENV)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-        assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("error: ")
-    assert "bad.jsonl:1: field 'rejected'" in subprocess.run(
-        [sys.executable, os.path.join(HERE, "train_dpo.py"), "--data", str(bad), *ON_CPU], capture_output=True,
-        text=True).stderr
+        assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("error: ") and message in proc.stderr
     assert not (tmp_path / "o").exists()
 
 
@@ -857,7 +864,7 @@ def test_precision_names_and_errors():
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
         p = resolve_precision(PrecisionConfig(name), CPU)
         assert p.compute_dtype == dtype and p.mp_policy.param_dtype == dtype
-        assert p.mp_policy.reduce_dtype == torch.float32 and (p.scaler is not None) == (name == "fp16")
+        assert p.mp_policy.reduce_dtype == torch.float32 and p.scaler.is_enabled() == (name == "fp16")
     assert resolve_precision(PrecisionConfig("auto"), CPU).name == "fp32"  # bf16 only on a CUDA device that supports it
     with pytest.raises(ValueError, match="fp32, bf16, fp16"):
         resolve_precision(PrecisionConfig("fp8"), CPU)
@@ -865,7 +872,8 @@ def test_precision_names_and_errors():
 
 def test_bf16_on_a_cpu_without_native_bf16_is_never_automatic_and_warns_once(tmp_path, monkeypatch, capsys):
     cpuinfo = {"avx2": "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n\nprocessor\t: 1\nflags\t\t: fpu avx2\n",
-               "amx": "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile amx_bf16\n", "arm": "Features\t: fp asimd bf16\n"}
+               "amx": "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile amx_bf16\n",
+               "arm": "Features\t: fp asimd bf16\n"}
     for name, text in cpuinfo.items():
         (tmp_path / name).write_text(text)
     found = {name: precision.cpu_has_native_bf16(str(tmp_path / name)) for name in [*cpuinfo, "absent"]}
@@ -896,12 +904,12 @@ def test_auto_skips_gpus_that_only_emulate_bf16(monkeypatch):
 def test_each_process_takes_its_own_gpu_however_many_it_sees(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     for visible, local_rank, shown, expected in ((8, 3, "", 3), (4, 0, "", 0), (1, 0, "", 0), (1, 3, "5", 0)):
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda visible=visible: visible)
         monkeypatch.setenv("LOCAL_RANK", str(local_rank))
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", shown)  # "5": a launcher showed this process GPU 5 alone
         assert fsdp_setup._local_gpu() == expected
     for visible, local_rank in ((2, 5), (1, 1)):  # (1, 1): two processes on a one-GPU machine
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda visible=visible: visible)
         monkeypatch.setenv("LOCAL_RANK", str(local_rank))
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
         with pytest.raises(ValueError, match=f"LOCAL_RANK {local_rank} but this process sees only {visible} GPUs"):
@@ -909,22 +917,6 @@ def test_each_process_takes_its_own_gpu_however_many_it_sees(monkeypatch):
     if not GPUS:
         with pytest.raises(ValueError, match="--device cuda: no CUDA device is visible"):
             fsdp_setup.init_distributed("cuda")
-
-
-def test_a_skipped_fp16_step_restarts_the_scale_growth_count():
-    model = torch.nn.Linear(2, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=2)
-    scales = []
-    for overflow in (False, True, False, False):
-        loss = model(torch.ones(1, 2)).sum()
-        scaler.scale(loss * (math.inf if overflow else 1.0)).backward()  # inf gradients, finite loss
-        _, skipped = clip_and_step(model, optimizer, scaler, 1.0, loss_sum=loss.detach())
-        assert skipped == overflow
-        scales.append(scaler.get_scale())
-    # Grows after 2 good steps in a row: the overflow halves the scale and the count starts again, so the
-    # good step right after it must not double it back (straight into the overflow it just left).
-    assert scales == [8.0, 4.0, 4.0, 8.0]
 
 
 def test_reduce_dtype_flag():
@@ -935,11 +927,14 @@ def test_reduce_dtype_flag():
 
 def sharded_tiny(seed, precision="fp32", frozen=False, **fsdp):
     """The trainer's own path: meta-device model, sharded, filled from a full model held by rank 0."""
-    config, tok = train_dpo.load_model_config("tiny")
-    full = train_dpo.load_full_model("tiny", config, seed)
+    config, tok = tiny_config()
     cfg = train_dpo.Config(fsdp=train_dpo.FSDPConfig(**fsdp))
-    make = lambda: transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model = fsdp_setup.build_sharded(make, full, resolve_precision(PrecisionConfig(precision), CPU).mp_policy, CPU,
+    full = load_full_model("tiny", config, seed)
+
+    def make():
+        return train_dpo.prepare_model(cfg, transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+    mp_policy = resolve_precision(PrecisionConfig(precision), CPU).mp_policy
+    model = fsdp_setup.build_sharded(make, train_dpo.prepare_model(cfg, full), mp_policy, CPU,
                                      cfg.fsdp, frozen)
     return model, full, tok
 
@@ -952,7 +947,7 @@ def test_meta_device_build_loads_rank0_weights_buffers_and_tie_exactly():
             torch.testing.assert_close(model.get_buffer(name), buf, rtol=0, atol=0)
         batch = collate_pairs(tokenize(demo_pairs("train")[:3], tok, 64, 32), tok.pad_token_id)
         with torch.no_grad():
-            inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+            inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
             torch.testing.assert_close(model(**inputs).logits, full(**inputs).logits, rtol=0, atol=0)
         state = gather_full_state_dict(model)
     for k, v in full.state_dict().items():
@@ -972,12 +967,12 @@ def test_bf16_keeps_float32_masters_grads_optimizer_state_and_loss():
             torch.testing.assert_close(reference(input_ids=ids).logits, policy(input_ids=ids).logits, rtol=0, atol=0)
         policy.reshard()
         batch = collate_pairs(tokenize(demo_pairs("train")[:2], tok, 64, 32), tok.pad_token_id)
-        logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         assert logits.dtype == torch.bfloat16
-        out = train_dpo.forward_pairs(policy, reference, batch, train_dpo.LossConfig())
+        out = forward_pairs(policy, reference, batch, train_dpo.LossConfig())
         assert all(v.dtype == torch.float32 for v in out.values())
         loss = out["losses"].mean() - out["chosen_logps"].sum() * 0  # the loss itself is float32
-        (loss - sequence_logps(logits, batch["labels"]).mean()).backward()
+        (loss - sequence_logps(logits, batch.labels).mean()).backward()
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
         optimizer.step()
         assert all(p.grad.dtype == torch.float32 for p in policy.parameters())
@@ -992,7 +987,7 @@ def test_activation_checkpointing_and_resharding_change_memory_not_math():
             model, _, tok = sharded_tiny(seed=6, **fsdp)
             counts = {"mlp": 0, "saved": 0}
 
-            def counted(forward):
+            def counted(forward, counts=counts):
                 def wrapper(*args, **kwargs):
                     counts["mlp"] += 1
                     return forward(*args, **kwargs)
@@ -1000,11 +995,12 @@ def test_activation_checkpointing_and_resharding_change_memory_not_math():
             for layer in model.model.layers:
                 layer.mlp.forward = counted(layer.mlp.forward)
             batch = collate_pairs(tokenize(demo_pairs("train")[:2], tok, 64, 32), tok.pad_token_id)
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: counts.__setitem__("saved", counts["saved"] + 1) or t,
-                                                          lambda t: t):
-                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                               position_ids=batch["position_ids"], use_cache=False).logits
-            logps = sequence_logps(logits, batch["labels"])
+            def pack(t, counts=counts):
+                counts["saved"] += 1
+                return t
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                logits = model(input_ids=batch.input_ids, use_cache=False).logits
+            logps = sequence_logps(logits, batch.labels)
             logps.sum().backward()
             grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
             results.append((logps.detach(), grads, counts))
@@ -1021,7 +1017,8 @@ def test_activation_checkpointing_and_resharding_change_memory_not_math():
 def test_compiled_blocks_train_like_eager_on_cpu(tmp_path):
     """CPU: inductor's C++ kernels; with activation checkpointing, so its recomputation is compiled too."""
     args = ("--max-steps", "3", "--micro-batch-size", "8", "--ref", "online", "--activation-checkpointing")
-    eager, compiled = read_metrics(run(tmp_path, "eager", *args)), read_metrics(run(tmp_path, "compiled", *args, "--compile"))
+    eager = read_metrics(run(tmp_path, "eager", *args))
+    compiled = read_metrics(run(tmp_path, "compiled", *args, "--compile"))
     assert [r["loss"] for r in compiled] == pytest.approx([r["loss"] for r in eager], rel=1e-4)
     assert compiled[-1]["grad_norm"] == pytest.approx(eager[-1]["grad_norm"], rel=1e-3)
 
@@ -1032,7 +1029,7 @@ def test_a_frozen_reference_reshards_even_with_no_reshard_after_forward():
         policy, _, tok = sharded_tiny(seed=2, reshard_after_forward=False)
         reference, _, _ = sharded_tiny(seed=2, frozen=True, reshard_after_forward=False)
         batch = collate_pairs(tokenize(demo_pairs("train")[:2], tok, 64, 32), tok.pad_token_id)
-        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        inputs = {"input_ids": batch.input_ids}
         with torch.no_grad():
             reference(**inputs)
         policy(**inputs)
@@ -1044,13 +1041,13 @@ def test_a_frozen_reference_reshards_even_with_no_reshard_after_forward():
 
 
 def test_gradient_accumulation_keeps_only_gradient_shards_unless_asked(tmp_path, monkeypatch):
-    held, real = [], train_dpo.forward_pairs
+    held, real = [], train_dpo.pair_logps
 
-    def forward_pairs(policy, *args, **kwargs):  # at each training micro-batch: is there a p.grad yet?
+    def pair_logps(policy, *args, **kwargs):  # at each training micro-batch: is there a p.grad yet?
         if torch.is_grad_enabled():  # a training forward, not evaluation
             held.append({p.grad is not None for p in policy.parameters()})
         return real(policy, *args, **kwargs)
-    monkeypatch.setattr(train_dpo, "forward_pairs", forward_pairs)
+    monkeypatch.setattr(train_dpo, "pair_logps", pair_logps)
     args = ("--max-steps", "2", "--micro-batch-size", "8")  # 2 micro-batches a step
     sharded = run(tmp_path, "sharded", *args)
     unsharded = run(tmp_path, "unsharded", *args, "--unsharded-grad-accumulation")
@@ -1096,14 +1093,14 @@ def test_tiny_run_learns_the_preference_and_exports_a_loadable_model(tmp_path):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     final = os.path.join(out, "final")
-    model, tok = AutoModelForCausalLM.from_pretrained(final), AutoTokenizer.from_pretrained(final)
+    model, tok = add_scored_head(AutoModelForCausalLM.from_pretrained(final)), AutoTokenizer.from_pretrained(final)
     assert json.load(open(os.path.join(final, "train_config.json")))["lr"] == 1e-3
     # Independent check of the export: score the held-out set with the loaded model against a freshly
     # built reference; it must reproduce the logged final evaluation.
     reference, _ = tiny(seed=0)
-    pairs = tokenize(demo_pairs("eval"), tok, 512, 256)
+    pairs = tokenize(demo_pairs("eval")[:32], tok, 512, 256)  # HELD_OUT
     with torch.no_grad():
-        out_pairs = train_dpo.forward_pairs(model.eval(), reference.eval(), collate_pairs(pairs, tok.pad_token_id),
+        out_pairs = forward_pairs(model.eval(), reference.eval(), collate_pairs(pairs, tok.pad_token_id),
                                             train_dpo.LossConfig())
     assert out_pairs["losses"].mean().item() == pytest.approx(evals[-1]["loss"], rel=1e-4)
     accuracy = (out_pairs["chosen_rewards"] > out_pairs["rejected_rewards"]).float().mean().item()
@@ -1130,13 +1127,14 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
 # ---------------------------------------------------------------------------------------------- checkpoints
 def _record_randomness(monkeypatch, cuda=False):
     """Draw from torch's and Python's generators (and this GPU's) at every training forward; return the draws."""
-    real, draws = train_dpo.forward_pairs, []
+    real, draws = train_dpo.pair_loss, []
 
-    def forward_pairs(policy, *args, **kwargs):
-        if torch.is_grad_enabled():  # a training forward, not evaluation
-            draws.append((torch.rand(1).item(), random.random(), *([torch.rand(1, device="cuda").item()] if cuda else [])))
-        return real(policy, *args, **kwargs)
-    monkeypatch.setattr(train_dpo, "forward_pairs", forward_pairs)
+    def pair_loss(*args, **kwargs):
+        if torch.is_grad_enabled():  # a training micro-batch, not evaluation
+            cuda_draw = [torch.rand(1, device="cuda").item()] if cuda else []
+            draws.append((torch.rand(1).item(), random.random(), *cuda_draw))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(train_dpo, "pair_loss", pair_loss)
     return draws
 
 
@@ -1164,7 +1162,8 @@ def _assert_same_run(a, b, exact=True, keys=PAIR_METRICS, weight_atol=ADAM_ATOL)
         assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b] and rows_a
         for x, y in zip(rows_a, rows_b):
             for key in keys:
-                assert x[key] == (y[key] if exact else pytest.approx(y[key], rel=1e-4, abs=1e-6)), (split, x["step"], key)
+                expected = y[key] if exact else pytest.approx(y[key], rel=1e-4, abs=1e-6)
+                assert x[key] == expected, (split, x["step"], key)
     wa, wb = load_safetensors(os.path.join(a, "final")), load_safetensors(os.path.join(b, "final"))
     assert wa.keys() == wb.keys()
     for k in wa:
@@ -1178,7 +1177,7 @@ def test_resume_is_bit_identical_with_model_optimizer_schedule_data_and_rng(six_
     assert open(os.path.join(ckpts, "latest")).read() == "step-6"
     state = json.load(open(os.path.join(ckpts, "step-4", "trainer_state.json")))
     assert state["data_position"] == {"epoch": 0, "pairs_consumed": 64} and state["schedule"]["total_steps"] == 6
-    assert state["config"]["batch_size"] == 16 and state["world_size"] == 1
+    assert state["config"]["batching"]["batch_size"] == 16 and state["world_size"] == 1
     out = tmp_path / "resumed"
     out.mkdir()
     shutil.copytree(ckpts, out / "checkpoints")
@@ -1248,12 +1247,13 @@ def test_resume_refuses_a_different_run_and_exports_in_the_chosen_dtype(tmp_path
     for args, message in ((["--batch-size", "8"], "--batch-size is 8 but the checkpoint was trained with 16"),
                           (["--beta", "0.5"], "--beta is 0.5 but the checkpoint was trained with 0.1"),
                           # another batch order for the rest of the epoch would repeat some pairs and skip others
-                          (["--no-group-by-length"], "--group-by-length is False but the checkpoint was trained with True"),
+                          (["--no-group-by-length"],
+                           "--group-by-length is False but the checkpoint was trained with True"),
                           (["--data", "demo"], "--data is ['demo'] but the checkpoint was trained with")):
         with pytest.raises(SystemExit) as exit_info:
             data_args = [] if "--data" in args else ["--data", str(data)]  # a repeated --data appends
-            train_dpo.main(["--out-dir", out, "--cache-dir", CACHE, "--batch-size", "16", *ON_CPU, *data_args, "--resume",
-                            "latest", *args])
+            train_dpo.main(["--out-dir", out, "--cache-dir", CACHE, "--batch-size", "16", *ON_CPU, *data_args,
+                            "--resume", "latest", *args])
         err = capsys.readouterr().err.strip()
         assert exit_info.value.code == 2 and message in err and "\n" not in err, err
     data.write_text("".join(json.dumps(p) + "\n" for p in demo_pairs("train")[1:65]))  # same path, new content
@@ -1317,16 +1317,16 @@ PREEMPT = """
 import os, signal, sys
 import torch
 import train_dpo
-real, calls = train_dpo.forward_pairs, [0]
+real, calls = train_dpo.pair_loss, [0]
 
-def forward_pairs(policy, *args, **kwargs):  # SIGTERM to rank 1 alone, in the middle of step 3
-    if torch.is_grad_enabled():  # a training forward, not evaluation
+def pair_loss(*args, **kwargs):  # SIGTERM to rank 1 alone, in the middle of step 3
+    if torch.is_grad_enabled():  # a training micro-batch, not evaluation
         calls[0] += 1
         if calls[0] == 3 and os.environ["RANK"] == "1":
             os.kill(os.getpid(), signal.SIGTERM)
-    return real(policy, *args, **kwargs)
+    return real(*args, **kwargs)
 
-train_dpo.forward_pairs = forward_pairs
+train_dpo.pair_loss = pair_loss
 try:
     train_dpo.main(sys.argv[1:])
 except SystemExit as e:
@@ -1361,12 +1361,13 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(six_steps, tmp_path):
 
 def test_sigterm_from_outside_saves_the_finished_step_and_exits_promptly(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, os.path.join(HERE, "train_dpo.py"), "--out-dir", str(out), "--cache-dir", CACHE, *ON_CPU,
-           "--max-steps", "200", "--batch-size", "16", "--warmup-steps", "2", "--async-save"]  # the stop waits for it
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = [sys.executable, os.path.join(HERE, "train_dpo.py"),
+           *trainer_args(out, "--max-steps", "200", "--async-save")]  # the stop waits for the write
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=SUBPROCESS_ENV)
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 120
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 4) and time.monotonic() < deadline:  # data rows, steps 1-2
+    # until the two data rows and steps 1-2 are logged
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 4) and time.monotonic() < deadline:
         time.sleep(0.02)
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -1398,11 +1399,8 @@ train_dpo.main(sys.argv[1:])
 def test_a_run_killed_during_an_async_save_resumes_from_the_last_complete_one(six_steps, tmp_path):
     script, out = tmp_path / "kill.py", tmp_path / "run"
     script.write_text(KILL_MID_SAVE)
-    cmd = [sys.executable, str(script), "--out-dir", str(out), "--cache-dir", CACHE, "--batch-size", "16",
-           "--warmup-steps", "2", "--num-samples", "0", "--no-eval-before", *ON_CPU, *SIX, "--save-every", "2",
-           "--async-save"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": HERE},
-                          check=False)
+    cmd = [sys.executable, str(script), *trainer_args(out, *SIX, "--save-every", "2", "--async-save")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=SUBPROCESS_ENV, check=False)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     saved = out / "checkpoints"
     assert (saved / "latest").read_text() == "step-2" and (saved / "step-4.tmp").is_dir()
@@ -1456,10 +1454,6 @@ def test_two_rank_torchrun_matches_one_rank(six_steps, tmp_path, micro):
     one = six_steps[0]  # 1 rank, 2 accumulation steps
     _assert_same_run(one, str(tmp_path / "two"), exact=False)  # the same tensor names, losses, weights
     assert set(load_safetensors(os.path.join(one, "final"))) == _hf_export_names()
-
-
-def test_packing_trains_like_padding(six_steps, tmp_path):
-    _assert_same_run(six_steps[0], run(tmp_path, "packed", *SIX, "--packing"), exact=False)
 
 
 def test_hsdp_two_replicas_of_two_shards_match_one_rank_and_resume_as_fsdp_on_four(six_steps, tmp_path, capsys):
@@ -1563,16 +1557,16 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, device
 
 def _poison(monkeypatch, bad_calls):
     """Make the trainer's forward return NaN losses on the given (1-based) training forward calls."""
-    real, calls = train_dpo.forward_pairs, [0]
+    real, calls = train_dpo.pair_loss, [0]
 
-    def forward_pairs(policy, *args, **kwargs):
-        out = real(policy, *args, **kwargs)
-        if torch.is_grad_enabled():  # a training forward, not evaluation
+    def pair_loss(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if torch.is_grad_enabled():  # a training micro-batch, not evaluation
             calls[0] += 1
             if calls[0] in bad_calls:
                 out["losses"] = out["losses"] * float("nan")
         return out
-    monkeypatch.setattr(train_dpo, "forward_pairs", forward_pairs)
+    monkeypatch.setattr(train_dpo, "pair_loss", pair_loss)
 
 
 def test_nan_loss_skips_the_step_and_repeated_nans_stop_the_run(tmp_path, monkeypatch, capsys):
@@ -1638,14 +1632,15 @@ def test_ipo_takes_mean_or_summed_log_ratios(ipo_logps):
     assert objective.average_logps == (ipo_logps == "mean")  # mean, TRL's, is the default
     assert train_dpo.LossConfig(loss="ipo").ipo_logps == "mean"
     with torch.no_grad():
-        out = train_dpo.forward_pairs(policy.eval(), reference.eval(), collate_pairs(pairs, tok.pad_token_id), objective)
+        out = forward_pairs(policy.eval(), reference.eval(), collate_pairs(pairs, tok.pad_token_id), objective)
 
         def logp(model, pair, key):  # Hugging Face's own token-mean loss, one sequence at a time
             ids, labels = pair["prompt"] + pair[key], [-100] * len(pair["prompt"]) + pair[key]
             mean = -model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels])).loss.item()
             return mean if ipo_logps == "mean" else mean * len(pair[key])
         expected = [((logp(policy, p, "chosen") - logp(reference, p, "chosen"))
-                     - (logp(policy, p, "rejected") - logp(reference, p, "rejected")) - 1 / (2 * 0.5)) ** 2 for p in pairs]
+                     - (logp(policy, p, "rejected") - logp(reference, p, "rejected")) - 1 / (2 * 0.5)) ** 2
+                    for p in pairs]
     assert out["losses"].tolist() == pytest.approx(expected, rel=1e-4)
 
 
@@ -1659,7 +1654,8 @@ def test_dropout_is_off_unless_asked_so_the_first_step_has_zero_rewards(tmp_path
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gpt2")
     tok.save_pretrained(tmp_path / "gpt2")
     args = ("--model", str(tmp_path / "gpt2"), "--max-length", "128", "--max-steps", "1", "--lr", "1e-4")
-    off, on = (read_metrics(run(tmp_path, name, *args, *flag))[0] for name, flag in (("off", []), ("on", ["--dropout"])))
+    off = read_metrics(run(tmp_path, "off", *args))[0]
+    on = read_metrics(run(tmp_path, "on", *args, "--dropout"))[0]
     # Policy == reference at step 1: without dropout every log-ratio is exactly 0 and the loss is ln 2.
     assert off["rewards/chosen"] == off["rewards/rejected"] == 0 and off["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert on["rewards/chosen"] != 0 and on["rewards/rejected"] != 0  # dropout's noise, kept when asked for
@@ -1673,8 +1669,8 @@ def test_sft_weight_adds_the_weighted_chosen_nll():
     per_pair = sum(len(p["chosen"]) for p in pairs) / 4
     with torch.no_grad():
         for loss in ("dpo", "dpo_norm"):  # summed and length-averaged log-probs
-            plain = train_dpo.forward_pairs(policy, reference, batch, train_dpo.LossConfig(loss=loss))
-            rpo = train_dpo.forward_pairs(policy, reference, batch, train_dpo.LossConfig(loss=loss, sft_weight=0.5),
+            plain = forward_pairs(policy, reference, batch, train_dpo.LossConfig(loss=loss))
+            rpo = forward_pairs(policy, reference, batch, train_dpo.LossConfig(loss=loss, sft_weight=0.5),
                                           tokens_per_pair=per_pair)
             hf = [policy(input_ids=torch.tensor([p["prompt"] + p["chosen"]]),
                          labels=torch.tensor([[-100] * len(p["prompt"]) + p["chosen"]])).loss.item() * len(p["chosen"])
@@ -1684,7 +1680,7 @@ def test_sft_weight_adds_the_weighted_chosen_nll():
         # SFT alone: the same NLL with weight 1, and only the 4 chosen rows go through the model.
         rows = []
         hook = policy.model.embed_tokens.register_forward_hook(lambda module, args, out: rows.append(len(args[0])))
-        sft = train_dpo.forward_pairs(policy, None, batch, train_dpo.LossConfig(loss="sft"), tokens_per_pair=per_pair)
+        sft = forward_pairs(policy, None, batch, train_dpo.LossConfig(loss="sft"), tokens_per_pair=per_pair)
         hook.remove()
         assert rows == [4] and sft["losses"].tolist() == pytest.approx([x / per_pair for x in hf], rel=1e-4)
     with pytest.raises(ValueError, match="--sft-weight"):
@@ -1762,7 +1758,8 @@ def test_two_rank_eval_counts_each_pair_once_and_writes_the_same_samples(tmp_pat
         assert a["step"] == b["step"]
         for k in PAIR_METRICS:
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
-    samples = lambda out: [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
+    def samples(out):
+        return [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
     assert [s["step"] for s in samples(one)] == [0, 0, 0, 2, 2, 2]
     assert [s["prompt"] for s in samples(one)[:3]] == [p["prompt"] for p in demo_pairs("eval")[:3]]
     assert samples(one)[:3] == samples(str(tmp_path / "two"))[:3]  # same weights, same seeded draws
@@ -1813,10 +1810,12 @@ def test_wandb_gets_the_same_rows_and_a_clear_error_when_missing(tmp_path, monke
 # ---------------------------------------------------------------------------------------------- LoRA (lora.py)
 def sharded_lora(seed, precision="fp32", rank=4):
     """The trainer's LoRA path: adapters on the meta-device model and on rank 0's full one, then sharded."""
-    config, tok = train_dpo.load_model_config("tiny")
+    config, tok = tiny_config()
     cfg = train_dpo.Config(lora=LoraConfig(lora_rank=rank), seed=seed)
-    make = lambda: train_dpo.adapt(cfg, transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32))
-    full = train_dpo.adapt(cfg, train_dpo.load_full_model("tiny", config, seed))
+
+    def make():
+        return train_dpo.prepare_model(cfg, transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+    full = train_dpo.prepare_model(cfg, load_full_model("tiny", config, seed))
     mp_policy = resolve_precision(PrecisionConfig(precision), CPU).mp_policy
     return fsdp_setup.build_sharded(make, full, mp_policy, CPU, cfg.fsdp), tok
 
@@ -1832,12 +1831,12 @@ def test_lora_reference_is_the_base_model_exactly_and_only_the_adapters_train(pr
         base = tiny(3)[0] if precision == "fp32" else sharded_tiny(3, precision, frozen=True)[0]
         batch = collate_pairs(tokenize(demo_pairs("train")[:4], tok, 128, 64), tok.pad_token_id)
         with torch.no_grad():
-            expected = model_logps(base, batch)
-            torch.testing.assert_close(model_logps(WithoutAdapters(policy), batch), expected, rtol=0, atol=0)
+            expected = response_logps(base, batch)
+            torch.testing.assert_close(response_logps(WithoutAdapters(policy), batch), expected, rtol=0, atol=0)
         before = {k: v.clone() for k, v in gather_full_state_dict(policy).items()}  # on CPU: views of the weights
         optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2, weight_decay=0)
         for step in range(2):
-            out = train_dpo.forward_pairs(policy, WithoutAdapters(policy), batch, train_dpo.LossConfig())
+            out = forward_pairs(policy, WithoutAdapters(policy), batch, train_dpo.LossConfig())
             if step == 0:  # B starts at 0: the policy is its own reference, every pair's loss is ln 2
                 torch.testing.assert_close(out["losses"], torch.full((4,), math.log(2)), rtol=0, atol=1e-6)
             out["losses"].mean().backward()
@@ -1849,7 +1848,7 @@ def test_lora_reference_is_the_base_model_exactly_and_only_the_adapters_train(pr
         modes = []  # the reference runs in eval mode (no dropout), whatever the policy's mode
         policy.base_model.model.model.layers[0].register_forward_pre_hook(lambda m, a: modes.append(m.training))
         with torch.no_grad():
-            torch.testing.assert_close(model_logps(WithoutAdapters(policy.train()), batch), expected, rtol=0, atol=0)
+            torch.testing.assert_close(response_logps(WithoutAdapters(policy.train()), batch), expected, rtol=0, atol=0)
         assert modes == [False] and policy.training
 
 
@@ -1873,7 +1872,8 @@ def test_lora_run_starts_at_ln2_checkpoints_only_adapters_and_exports_a_peft_fol
     final = os.path.join(lora_six, "final")
     config = json.load(open(os.path.join(final, "adapter_config.json")))
     assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (8, 16, 0)
-    assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    linears = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert set(config["target_modules"]) == linears
     loaded = peft.PeftModel.from_pretrained(tiny(0)[0], final)  # the base is the tiny model of --seed 0
     for name, p in loaded.named_parameters():
         if ".lora_" in name:  # peft's names carry the adapter's, the file's do not
@@ -1913,8 +1913,10 @@ def test_lora_flags_fail_with_one_line(tmp_path, capsys, monkeypatch):
                           (["--lora-rank", "4", "--lora-targets", "qkv"], "--lora-targets qkv: Target modules {'qkv'} "
                                                                             "not found in the base model"),
                           (["--lora-rank", "-1"], "--lora-rank must be >= 0"),
-                          (["--lora-rank", "4", "--lora-targets", "lm_head", "--export-merged"],  # tiny: tied
-                           "--export-merged: lm_head shares its weight with model.embed_tokens.weight"),
+                          (["--lora-rank", "4", "--lora-targets", "lm_head"],  # it computes the log-probs
+                           "--lora-targets: the output layer takes no adapters here"),
+                          (["--lora-rank", "4", "--lora-targets", "embed_tokens", "--export-merged"],
+                           "--export-merged merges adapters on linear layers only; model.embed_tokens is a Embedding"),
                           (["--lora-rank", "4", "--lora-dropout", "0.1"], "--lora-dropout needs --dropout")):
         with pytest.raises(SystemExit) as exit_:
             run(tmp_path, "bad", "--max-steps", "1", *args)
@@ -1924,14 +1926,14 @@ def test_lora_flags_fail_with_one_line(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit):
         run(tmp_path, "bad", "--max-steps", "1", "--lora-rank", "4")
     assert "error: --lora-rank needs the peft package: pip install peft" in capsys.readouterr().err
-    with pytest.raises(ImportError, match="pip install peft"):
-        lora.import_peft()
+    with pytest.raises(ValueError, match="pip install peft"):
+        lora.LoraConfig(lora_rank=4)
     assert not (tmp_path / "bad").exists()  # nothing written
 
 
 # ---------------------------------------------------------------------------------------------- copyability
 CONCERN_FILES = ["loss.py", "precision.py", "fsdp_setup.py", "data.py", "checkpoint.py", "metrics.py", "demo.py",
-                 "lora.py"]
+                 "lora.py", "batches.py", "samples.py", "models.py"]
 
 
 def test_concern_files_import_only_stdlib_and_torch():  # data.py: transformers; optional extras inside functions
@@ -1940,13 +1942,17 @@ def test_concern_files_import_only_stdlib_and_torch():  # data.py: transformers;
         tree = ast.parse(open(os.path.join(HERE, name)).read())
         lazy = {n for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) for n in ast.walk(f)}
         for node in ast.walk(tree):
-            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module] if isinstance(node, ast.ImportFrom) else []
+            mods = []
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                mods = [node.module]
             for mod in mods:
                 top = mod.split(".")[0]
                 assert top not in siblings, f"{name} imports its sibling {mod}"
-                allowed = (top == "torch" or top in sys.stdlib_module_names or (name, top) == ("data.py", "transformers")
-                           or (node in lazy and top in ("datasets", "matplotlib", "wandb")))
+                allowed = (top == "torch" or top in sys.stdlib_module_names
+                           or (name in ("data.py", "models.py") and top == "transformers")
+                           or (node in lazy and top in ("datasets", "matplotlib", "wandb", "peft")))
                 assert allowed, f"{name} imports {mod}"
 
 
@@ -1961,3 +1967,18 @@ def test_each_concern_file_imports_alone(tmp_path):
               "    [sys.modules.pop(m, None) for m in names]\n")
     proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_house_style_that_the_linter_does_not_check():
+    """ruff (in .ci/run) checks line length and lambdas assigned to names; this checks the rest of the house
+    style: no nested conditional expression, no issue numbers in code, and the line budgets."""
+    files = [f for f in os.listdir(HERE) if f.endswith(".py") and f != "test_dpo.py"]
+    lengths = {f: len(open(os.path.join(HERE, f)).read().splitlines()) for f in files}
+    assert lengths["train_dpo.py"] <= 400 and max(lengths.values()) <= 450 and sum(lengths.values()) <= 2600, lengths
+    for name in files:
+        source = open(os.path.join(HERE, name)).read()
+        assert not re.search(r"\b[Ii]ssues? \d+", source), f"{name} names an issue"
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.IfExp):
+                inner = [n for n in ast.walk(node) if isinstance(n, ast.IfExp) and n is not node]
+                assert not inner, f"{name}:{node.lineno}: a nested conditional expression"

@@ -30,27 +30,30 @@ real_all_reduce = dist.all_reduce
 # FSDP's all-reduce across replicas (HSDP) runs on the replicate group; the trainer's own metrics on the world.
 dist.all_reduce = counting("all_reduce", real_all_reduce, lambda t, *a, **k: t if k.get("group") is not None
                            and dist.get_world_size(k["group"]) < dist.get_world_size() else t[:0])
-real_step, steps, seen = train_dpo.train_step, [], {}
+real_forward, real_row, steps, seen = train_dpo.pair_logps, train_dpo.train_row, [], {}
 
 
-def train_step(run, models, batch):
-    inside[0] = True
-    try:
-        return real_step(run, models, batch)
-    finally:
-        inside[0] = False
-        steps.append(dict(counted))
-        counted.update(dict.fromkeys(counted, 0))
-        seen.update(run=run, models=models)
+def pair_logps(*args, **kwargs):  # a training micro-batch: the step's collectives are counted
+    inside[0] = torch.is_grad_enabled()
+    return real_forward(*args, **kwargs)
 
 
-train_dpo.train_step = train_step
+def train_row(run, *args, **kwargs):  # after the optimizer step: the step's collectives are done
+    inside[0] = False
+    steps.append(dict(counted))
+    counted.update(dict.fromkeys(counted, 0))
+    seen["run"] = run
+    return real_row(run, *args, **kwargs)
+
+
+train_dpo.pair_logps = pair_logps
+train_dpo.train_row = train_row
 try:
     train_dpo.main(sys.argv[1:])
 except SystemExit as e:
     if e.code:
         raise
-run, models = seen["run"], seen["models"]
+run = seen["run"]
 
 
 def size(model, dtype_of):
@@ -64,13 +67,22 @@ def size(model, dtype_of):
 
 
 mp = run.precision.mp_policy
-param = lambda p: mp.param_dtype or p.dtype
+
+
+def param(p):
+    return mp.param_dtype or p.dtype
+
+
+def stored(p):
+    return p.dtype
+
+
 micro = run.cfg.batch_size // (run.cfg.micro_batch_size * run.world)
-blocks, root = size(models.policy, param)
+blocks, root = size(run.policy, param)
 gather = micro * (2 * blocks + root)  # blocks: forward and backward; the trained root stays gathered in between
-if models.reference is not None:
-    gather += micro * sum(size(models.reference, lambda p: p.dtype))  # stored in the compute dtype already
-grads = sum(p.numel() for p in models.policy.parameters()) * (mp.reduce_dtype or torch.float32).itemsize
+if run.reference is not None:
+    gather += micro * sum(size(run.reference, stored))  # stored in the compute dtype already
+grads = sum(p.numel() for p in run.policy.parameters()) * (mp.reduce_dtype or torch.float32).itemsize
 replicas = run.cfg.fsdp.replicas
 predicted = {"all_gather": gather, "reduce_scatter": micro * grads,
              "all_reduce": micro * grads // (run.world // replicas) if replicas > 1 else 0}

@@ -16,7 +16,12 @@ B, T, V, P = 8, 1024, 32000, 300
 logits = torch.randn(B, T, V, dtype=torch.bfloat16).requires_grad_()
 labels = torch.randint(0, V, (B, T))
 labels[:, :P] = -100
-rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def rss():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 base, t0 = rss(), time.perf_counter()
 if sys.argv[1] == "naive":
     logp = logits.float().log_softmax(-1)[:, :-1]

@@ -23,7 +23,12 @@ KINDS = {"big": (0, 100_000, (20, 60), (20, 80)), "gpu": (1, 4096, (25, 90), (15
 out, kind = sys.argv[1], sys.argv[2]
 seed, n, prompt_words, response_words = KINDS[kind]
 rng = random.Random(seed)
-salad = lambda lo, hi: " ".join(rng.choice(WORDS[kind]) for _ in range(rng.randint(lo, hi)))
+
+
+def salad(lo, hi):
+    return " ".join(rng.choice(WORDS[kind]) for _ in range(rng.randint(lo, hi)))
+
+
 with open(out, "w") as f:
     for i in range(n):
         if kind == "big":

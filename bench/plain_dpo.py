@@ -1,11 +1,17 @@
 # A careful plain DPO loop, for comparison: one process, no FSDP, full float32 log-softmax over all logits,
 # autocast for bf16; saves the model at the end.
-import copy, json, sys, time
-import torch, torch.nn.functional as F
+import copy
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 # usage: python bench/plain_dpo.py MODEL DATA STEPS BATCH fp32|bf16 OUT_DIR
-model_dir, data_path, steps, batch, precision, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
+model_dir, data_path, precision, out = sys.argv[1], sys.argv[2], sys.argv[5], sys.argv[6]
+steps, batch = int(sys.argv[3]), int(sys.argv[4])
 dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
 torch.manual_seed(0)
 tok = AutoTokenizer.from_pretrained(model_dir)

@@ -7,7 +7,12 @@ import sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
 train, batch = [r for r in rows if r["split"] == "train"], int(sys.argv[2])
 first, last, rest = train[0], train[-1], train[1:] or train
-mean = lambda key: sum(r.get(key, 0) for r in rest) / len(rest)
+
+
+def mean(key):
+    return sum(r.get(key, 0) for r in rest) / len(rest)
+
+
 print(json.dumps({
     "steps": len(train),
     "steady_pairs_per_s": round((last["step"] - first["step"]) * batch / (last["elapsed_s"] - first["elapsed_s"]), 2),

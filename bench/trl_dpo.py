@@ -6,7 +6,8 @@ from trl import DPOConfig, DPOTrainer
 
 # usage: python bench/trl_dpo.py MODEL DATA STEPS BATCH fp32|bf16 OUT_DIR [LORA_RANK]
 # (in a venv with trl==1.16.0 and datasets; peft==0.21.2 for LORA_RANK, which trains LoRA adapters of that rank)
-model_dir, data_path, steps, batch, precision, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
+model_dir, data_path, precision, out = sys.argv[1], sys.argv[2], sys.argv[5], sys.argv[6]
+steps, batch = int(sys.argv[3]), int(sys.argv[4])
 lora_rank = int(sys.argv[7]) if len(sys.argv) > 7 else 0
 peft_config = None
 if lora_rank:  # as this repo's --lora-rank: alpha 16, no dropout, every linear layer in the blocks
