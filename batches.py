@@ -189,10 +189,10 @@ def table_rows(table: torch.Tensor, idx: list[int]) -> torch.Tensor:
     return table[to_device(torch.tensor(idx or [0]), table.device)].T.reshape(-1)  # (B, 2) -> (2B,)
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`; to a GPU through pinned memory and an asynchronous copy, so the host goes on
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`t` on `device`; from the host to a GPU through pinned memory and an asynchronous copy, so the host goes on
     queueing work instead of waiting for a pageable copy in every micro-batch."""
-    if device.type == "cuda":
+    if torch.device(device).type == "cuda" and t.device.type == "cpu":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 

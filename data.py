@@ -68,8 +68,7 @@ class DataError(ValueError):
 
 
 def read_rows(spec: str) -> list[dict]:
-    """Rows of one file or hub:NAME[:split], checked: {"prompt" (None when implicit), "chosen", "rejected",
-    "where" ("file:line")}; values are strings or message lists. Raises DataError."""
+    """Checked rows of a file or hub:NAME[:split]: {"prompt" (None if implicit), "chosen", "rejected", "where"}."""
     raw = _read_source(spec)
     if not raw:
         raise DataError(f"{spec}:1: no preference pairs")
@@ -229,8 +228,7 @@ def _implicit_prompt(chosen: str | list, rejected: str | list, tokenizer, where:
 
 
 class PairTokens:
-    """Token ids of N pairs in one flat int32 tensor (memory-mappable, so ranks on a node share one copy);
-    tokens[i] is {"prompt", "chosen", "rejected"}: lists of ids, which batches.py makes into (2B, T) tensors."""
+    """N pairs' ids in one flat, memory-mappable int32 tensor; tokens[i]: {"prompt", "chosen", "rejected"} lists."""
 
     def __init__(self, ids: torch.Tensor, lengths: torch.Tensor):
         self.ids, self.lengths = ids, lengths  # (total,) int32; (N, 3) int64 [prompt, chosen, rejected]
@@ -250,8 +248,8 @@ class PairTokens:
 
 
 def tokenize_pairs(rows: list[dict], tokenizer, config: DataConfig, progress=None) -> tuple[PairTokens, dict]:
-    """(tokens, summary) for read_rows rows, truncated and dropped as README.md's Data says. The summary counts pairs,
-    drops, truncations and token-length percentiles before truncation; progress(message) hears long runs."""
+    """(tokens, summary) of read_rows rows, cut and dropped as README.md's Data section says; the summary counts
+    pairs, drops, cuts and lengths before cutting; progress(message) hears long runs."""
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no EOS token; responses must end with one")
     prefix = _leading_special_ids(tokenizer)
@@ -349,8 +347,7 @@ def _percentiles(values: list[int]) -> dict:
 
 
 def tokenize_to_cache(config: DataConfig, tokenizer, progress=None) -> str:
-    """Tokenize config's sources into {cache_dir}/tokens-<hash of their content, the settings and the tokenizer>.pt
-    unless there; returns the path. Under torch.distributed one rank runs this, then every rank calls load_tokens."""
+    """{cache_dir}/tokens-<hash of sources, settings, tokenizer>.pt, made unless there (by one rank; all load it)."""
     settings = {k: v for k, v in asdict(config).items() if k != "cache_dir"}
     tokenizer_key = key_digest([type(tokenizer).__name__, sorted(tokenizer.get_vocab().items()),
                                 tokenizer.chat_template, tokenizer.eos_token_id, _leading_special_ids(tokenizer)])
@@ -408,9 +405,14 @@ def _fingerprint(spec: str) -> str:
 
 
 def load_tokenizer(name: str):
-    """A hub id's or folder's tokenizer; for "tiny", ByT5's byte tokenizer with a small chat template (no files)."""
+    """A hub id's or folder's tokenizer (ValueError naming --model); "tiny": ByT5's bytes, with a chat template."""
+    if name.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(name)):
+        raise ValueError(f"--model {name}: no such folder")
     if name != "tiny":
-        return transformers.AutoTokenizer.from_pretrained(name)
+        try:
+            return transformers.AutoTokenizer.from_pretrained(name)
+        except OSError as e:
+            raise ValueError(f"--model {name}: cannot load ({str(e).strip().splitlines()[0]})") from None
     tokenizer = transformers.ByT5Tokenizer()
     tokenizer.chat_template = ("{% for m in messages %}{{ '<|' + m.role + '|>\\n' + m.content }}"
                                "{% if m.role == 'assistant' %}{{ '</s>' }}{% endif %}{{ '\\n' }}{% endfor %}"

@@ -159,15 +159,16 @@ class _TokenLogps(torch.autograd.Function):
         for i in range(0, len(targets), chunk):
             rows = slice(i, i + chunk) if index is None else index[i:i + chunk]
             g = grad[i:i + chunk, None]
-            d = _chunk_logits(x, index, weight, i, i + chunk).float().sub_(lse[i:i + chunk, None]).exp_().mul_(-g)
+            # Out of place first: without weight or index the chunk is a view of x, which must stay as it was.
+            d = _chunk_logits(x, index, weight, i, i + chunk).float().sub(lse[i:i + chunk, None]).exp_().mul_(-g)
             d = d.scatter_add_(-1, targets[i:i + chunk, None], g).to(x.dtype)  # d/dlogits, (chunk, V)
             if weight is None:
                 grad_x[rows] = d
                 continue
             grad_x[rows] = d @ weight
             if ctx.needs_input_grad[3]:
-                part = (d.T @ x[rows]).float()  # (V, H)
-                grad_weight = part if grad_weight is None else grad_weight.add_(part)
+                part = d.T @ x[rows]  # (V, H), in x's dtype: one float32 (V, H) buffer in all
+                grad_weight = part.float() if grad_weight is None else grad_weight.add_(part)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_x, None, None, grad_weight
@@ -217,8 +218,8 @@ def add_scored_head(model: nn.Module) -> nn.Module:
 
 def response_logps(model, batch) -> torch.Tensor:
     """(rows,) float32 summed log-probs of each row's response tokens, from a causal LM whose output layer is a
-    ScoredHead. batch: a batches.PairBatch, or anything with its input_ids (rows, T), score_index,
-    score_targets, score_rows (N,) and rows. The model gets no attention mask: its rows are right-padded."""
+    ScoredHead (added before sharding or adapters). batch: a batches.PairBatch, or anything with its input_ids
+    (rows, T), score_index, score_targets, score_rows (N,) and rows. No attention mask: rows are right-padded."""
     head = model.get_output_embeddings()
     if not isinstance(head, ScoredHead):
         raise ValueError(f"{type(head).__name__} is not a ScoredHead: call loss.add_scored_head(model) first")

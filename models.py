@@ -13,7 +13,7 @@ import torch
 import transformers
 
 
-def load_model_config(name: str, tokenizer, max_length: int = 0) -> transformers.PretrainedConfig:
+def load_model_config(name: str, tokenizer=None, max_length: int = 0) -> transformers.PretrainedConfig:
     """The config of "tiny" (a ~1M-parameter Llama over `tokenizer`'s vocabulary: trains on a laptop CPU, needs
     no files), a hub id or a local folder. Raises ValueError naming the flag when it cannot be read, or when the
     model has fewer positions than max_length."""
@@ -22,8 +22,6 @@ def load_model_config(name: str, tokenizer, max_length: int = 0) -> transformers
             vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=True,
             bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    elif name.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(name)):
-        raise ValueError(f"--model {name}: no such folder")
     else:
         try:
             config = transformers.AutoConfig.from_pretrained(name)

@@ -19,6 +19,7 @@ import safetensors.torch
 import torch
 import torch.distributed as dist
 import transformers
+from torch.distributed.tensor import DTensor
 import tyro
 
 from batches import BatchConfig, StepBatches, micro_batches, pair_table, rank_share, table_rows
@@ -99,8 +100,7 @@ def train(cfg: Config, rank: int, world: int, device: torch.device) -> int:
         say(f"error: {e}")
         return 2
     cfg, objective, micro_size = run.cfg, run.cfg.objective, run.cfg.batching.micro_batch_size  # resolved
-    policy = run.policy
-    scaler = run.precision.scaler  # fp16's loss scaler; elsewhere it passes all through
+    policy, scaler = run.policy, run.precision.scaler  # scaler: fp16's; elsewhere it passes all through
     log = RunLog(cfg.out_dir, run.start_step, cfg.sampling.num_samples > 0 and len(run.eval) > 0, cfg.wandb_project,
                  asdict(cfg))  # metrics.jsonl (the data's counts at step 0), samples.jsonl and W&B
     log.write_data({split: run.data[split] for split in ("train", "eval")}, fresh=run.start_step == 0)
@@ -136,8 +136,8 @@ def train(cfg: Config, rank: int, world: int, device: torch.device) -> int:
         peaks = torch.tensor([peak_memory_gb(device), float(stop.signum > 0)], device=device)
         dist.all_reduce(peaks, op=dist.ReduceOp.MAX)  # the fullest rank's memory; whether any rank must stop
         scaler.unscale_(optimizer)  # fp16: clip the true gradients
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.mixed_precision.max_grad_norm or math.inf)
-        grad_norm = grad_norm.full_tensor()  # over every rank's shards
+        norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.mixed_precision.max_grad_norm or math.inf)
+        grad_norm = norm.full_tensor() if isinstance(norm, DTensor) else norm  # over every rank's shards
         # A global norm and loss: a NaN, or an fp16 overflow, on any rank skips the step on all of them.
         skipped = not bool(torch.isfinite(grad_norm) & torch.isfinite(sums[0]))
         if not skipped:
@@ -257,6 +257,7 @@ def setup(cfg: Config, world: int, device: torch.device) -> tuple[Run, torch.opt
         data_cfg = replace(cfg.dataset, data=(files["sft" if cfg.dataset.data == ("demo:sft",) else "train"],),
                            eval_data=evals)
     train, evals, data = load_tokens(on_rank0(functools.partial(tokenize_to_cache, data_cfg, tokenizer, say)))
+    steps = StepBatches(train.lengths, cfg.batching, cfg.seed)  # refuses less data than one batch, before loading
     saved = None
     if cfg.checkpoints.resume:
         path = find_checkpoint(os.path.join(cfg.out_dir, "checkpoints"), cfg.checkpoints.resume)
@@ -279,9 +280,8 @@ def setup(cfg: Config, world: int, device: torch.device) -> tuple[Run, torch.opt
         reference = build_sharded(make, full_model, precision.mp_policy, device, cfg.fsdp, frozen=True)
     del full_model
     pad_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
-    run = Run(cfg, device, precision, tokenizer, train, evals, data, demo,
-              StepBatches(train.lengths, cfg.batching, cfg.seed), saved["step"] if saved else 0, pad_id, policy,
-              reference)
+    run = Run(cfg, device, precision, tokenizer, train, evals, data, demo, steps, saved["step"] if saved else 0,
+              pad_id, policy, reference)
     say(f"{cfg.model}: {sharded_line(policy)}, {precision.name}, {run.steps.total_steps} steps x "
         f"{cfg.batching.batch_size} pairs; peak host memory after loading, GB by rank: "
         + " ".join(f"{x:.2f}" for x in host_memory_by_rank_gb(device)))
