@@ -88,23 +88,25 @@ class PairBatch:
 
 
 def collate_pairs(pairs: list[dict[str, list[int]]], pad_id: int) -> PairBatch:
-    """Lay out B pairs as a PairBatch on the host: (2B, T) rows, T the longest row."""
+    """Lay out B pairs as a PairBatch on the host (PairBatch.to moves it): (2B, T) rows, T the longest row."""
+    host = torch.device("cpu")
     seqs = [(pair["prompt"], pair[key]) for key in ("chosen", "rejected") for pair in pairs]
     width = max(len(prompt) + len(response) for prompt, response in seqs)
-    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.long)
-    attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=host)
+    labels = torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.long, device=host)
+    attention_mask = torch.zeros((len(seqs), width), dtype=torch.long, device=host)
     index, targets, rows = [], [], []
     for r, (prompt, response) in enumerate(seqs):
         end = len(prompt) + len(response)
-        input_ids[r, :end] = torch.tensor(prompt + response)
-        labels[r, len(prompt):end] = torch.tensor(response)
+        input_ids[r, :end] = torch.tensor(prompt + response, device=host)
+        labels[r, len(prompt):end] = torch.tensor(response, device=host)
         attention_mask[r, :end] = 1
         index += range(r * width + len(prompt) - 1, r * width + end - 1)  # the position before each response token
         targets += response
         rows += [r] * len(response)
-    return PairBatch(input_ids, attention_mask, labels, torch.tensor([len(r) for _, r in seqs]),
-                     torch.tensor(index), torch.tensor(targets), torch.tensor(rows),
+    return PairBatch(input_ids, attention_mask, labels, torch.tensor([len(r) for _, r in seqs], device=host),
+                     torch.tensor(index, device=host), torch.tensor(targets, device=host),
+                     torch.tensor(rows, device=host),
                      sum(len(response) for _, response in seqs[:len(pairs)]))
 
 

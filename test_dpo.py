@@ -1786,9 +1786,15 @@ def test_wandb_gets_the_same_rows_and_a_clear_error_when_missing(tmp_path, monke
     calls = []
     fake = types.ModuleType("wandb")
     fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
-    fake.Table = lambda columns, data: ("table", columns, data)
-    fake.init = lambda **kw: calls.append(("init", kw)) or types.SimpleNamespace(
-        log=lambda data, step: calls.append(("log", step, data)), finish=lambda: calls.append(("finish",)))
+
+    def table(columns, data):
+        return ("table", columns, data)
+
+    def init(**kw):
+        calls.append(("init", kw))
+        return types.SimpleNamespace(log=lambda data, step: calls.append(("log", step, data)),
+                                     finish=lambda: calls.append(("finish",)))
+    fake.Table, fake.init = table, init
     monkeypatch.setitem(sys.modules, "wandb", fake)
     out = run(tmp_path, "run", "--max-steps", "2", "--num-samples", "2", "--sample-max-tokens", "4",
               "--wandb-project", "p", "--eval-before")
