@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+_groups = itertools.count(1)  # process groups started in this process
 _rank0_calls = itertools.count(1)  # every rank calls on_rank0 in the same order: the n-th call's key
 _RANK0_WAIT = timedelta(hours=24)  # the longest rank-0 phase the other ranks wait for
 _meshes = {}  # the HSDP mesh of the current process group
@@ -77,8 +78,11 @@ def init_distributed(device: str = "auto", replicas: int = 1, timeout_s: int = 1
         # cuDNN attention (SDPA's pick on Hopper) plans on the host for each new padded length; flash needs no plan.
         torch.backends.cuda.enable_cudnn_sdp(False)
     device_id = device if cuda else None
-    if "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device_id)
+    if "RANK" in os.environ:  # keys of its own, not an earlier group's in this process: main() may run again
+        store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+        store = dist.PrefixStore(f"dpo/{next(_groups)}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s), device_id=device_id)
     else:  # a HashStore needs no free port, so two single-process runs on one machine never collide
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
     return dist.get_rank(), dist.get_world_size(), device

@@ -111,8 +111,23 @@ def read_metrics(out_dir, split="train"):
         return [r for r in map(json.loads, f) if r["split"] == split]
 
 
-# The held-out set of the tests' demo runs: the first 32 of the demo's 256, so that an evaluation is cheap.
-HELD_OUT = write_jsonl(os.path.join(CACHE, "held-out.jsonl"), demo_pairs("eval")[:32])
+PLOT_METRICS = metrics.plot_metrics
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_plots():
+    """The tests' runs draw no metrics.png (matplotlib takes longer than a tiny run's step); the plot has its own
+    test, which puts metrics.plot_metrics back."""
+    def skip_plot(jsonl_path, png_path):
+        return True
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(metrics, "plot_metrics", skip_plot)
+        yield
+
+
+# The held-out set of the tests' demo runs: the first 16 of the demo's 256, so that an evaluation is cheap.
+HELD_OUT_PAIRS = demo_pairs("eval")[:16]
+HELD_OUT = write_jsonl(os.path.join(CACHE, "held-out.jsonl"), HELD_OUT_PAIRS)
 
 
 def trainer_args(out, *args, device="cpu"):
@@ -137,6 +152,37 @@ def torchrun(nproc, out, *args, script=None, device="cpu", env=None):
            str(script or os.path.join(HERE, "train_dpo.py")), *trainer_args(out, *args, device=device)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                           env={**SUBPROCESS_ENV, "OMP_NUM_THREADS": "1", **(env or {})})  # a core per rank
+
+
+RUNS = """
+import json, os, sys
+import data, train_dpo
+real, calls = data.tokenize_pairs, []
+
+def tokenize_pairs(*args, **kwargs):  # counted: which ranks tokenize
+    calls.append(1)
+    return real(*args, **kwargs)
+
+data.tokenize_pairs = tokenize_pairs
+for argv in json.loads(sys.argv[1]):  # runs in turn, each with a process group of its own
+    calls.clear()
+    train_dpo.main(argv)
+    with open(os.path.join(argv[argv.index("--out-dir") + 1], f"tokenized-{os.environ['RANK']}.json"), "w") as f:
+        json.dump(len(calls), f)
+train_dpo.exit_without_shutdown(0)
+"""
+
+
+def torchrun_runs(nproc, runs):
+    """Several trainer runs (lists of trainer_args) in turn in one start of nproc ranks: fewer process starts. Each
+    run's out_dir gets tokenized-{rank}.json, its number of data.tokenize_pairs calls there."""
+    script = os.path.join(CACHE, "runs.py")
+    with open(script, "w") as f:
+        f.write(RUNS)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script,
+           json.dumps(runs)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**SUBPROCESS_ENV, "OMP_NUM_THREADS": "1"})
 
 
 def load_safetensors(folder):
@@ -563,7 +609,7 @@ def test_eval_batches_cover_every_pair_once_in_equal_numbers_of_batches(n, micro
 def test_length_grouping_gives_at_least_90_percent_real_tokens_on_mixed_lengths():
     # Prompts of 10-400 tokens, responses of 20-400, a pair's two responses within 25% of each other.
     rng, pairs = random.Random(0), []
-    for _ in range(4096):
+    for _ in range(1024):
         prompt, chosen = rng.randint(10, 400), rng.randint(20, 400)
         rejected = int(chosen * rng.uniform(0.8, 1.25))
         pairs.append({"prompt": [5] * prompt, "chosen": [6] * chosen, "rejected": [7] * rejected})
@@ -699,11 +745,8 @@ def test_inspector_prints_the_trained_tokens_decoded_and_a_summary(tmp_path, cap
     rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "chosen": [{"role": "assistant", "content": "yes" * i}],
              "rejected": [{"role": "assistant", "content": "no"}]} for i in range(1, 5)]
     path = _write_jsonl(tmp_path / "conv.jsonl", rows)
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "data.py"), path, "--model", "tiny", "--show", "2",
-                           "--max-length", "34", "--max-prompt-length", "24"],
-                          capture_output=True, text=True, timeout=120, env=SUBPROCESS_ENV)
-    assert proc.returncode == 0, proc.stderr
-    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    data.inspect([path, "--model", "tiny", "--show", "2", "--max-length", "34", "--max-prompt-length", "24"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(lines) == 3
     assert lines[0] == {"prompt": "<|user|>\nq1\n<|assistant|>\n", "chosen": "yes</s>", "rejected": "no</s>"}
     assert lines[1]["chosen"] == "yesyes</s>"
@@ -713,7 +756,7 @@ def test_inspector_prints_the_trained_tokens_decoded_and_a_summary(tmp_path, cap
     assert summary["pairs"] == 4 and summary["dropped"] == 0 and summary["truncated"] == 2
     assert summary["truncated_prompts"] == 2 and summary["truncated_responses"] == 1
     assert summary["tokens_before_truncation"]["response"]["p100"] == 13
-    with pytest.raises(SystemExit) as exit_info:  # the CLI's own path, in this process: a bad file
+    with pytest.raises(SystemExit) as exit_info:  # a bad file
         data.inspect([str(tmp_path / "nope.jsonl"), "--model", "tiny"])
     assert exit_info.value.code == 2 and capsys.readouterr().err.strip() == f"error: {tmp_path / 'nope.jsonl'}: no " \
         "such file (give a .jsonl/.json path, hub:NAME[:split] or demo)"
@@ -762,45 +805,6 @@ def test_eval_fraction_holds_out_a_fixed_disjoint_share(tmp_path):
         DataConfig(eval_data=("x.jsonl",), eval_fraction=0.1)
 
 
-TOKENIZE_ONCE = """
-import os, sys
-import torch.distributed as dist
-import data, fsdp_setup, train_dpo
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-real, calls = data.tokenize_pairs, []
-def only_rank0(*args, **kwargs):
-    assert rank == 0, "rank 1 tokenized"
-    calls.append(1)
-    return real(*args, **kwargs)
-data.tokenize_pairs = only_rank0
-tok = data.load_tokenizer("tiny")
-for round in range(2):  # the second call finds the cache and tokenizes nothing
-    config = data.DataConfig(data=(sys.argv[1],), eval_fraction=0.5, cache_dir=sys.argv[2])
-    train, evals, summary = data.load_tokens(fsdp_setup.on_rank0(lambda: data.tokenize_to_cache(config, tok)))
-    with open(os.path.join(sys.argv[2], f"rank{rank}-{round}.txt"), "w") as f:
-        f.write(f"{rank} {len(train)} {len(evals)} {train.ids.sum().item()} {len(calls)}")
-dist.destroy_process_group()
-train_dpo.exit_without_shutdown(0)
-"""
-
-
-def test_two_ranks_tokenize_once_on_rank_0_and_share_the_cache(tmp_path):
-    script, cache = tmp_path / "once.py", tmp_path / "cache"
-    script.write_text(TOKENIZE_ONCE)
-    path = _write_jsonl(tmp_path / "p.jsonl", demo_pairs("eval")[:20])
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script), path, str(cache)], capture_output=True, text=True, timeout=300,
-                          env={**SUBPROCESS_ENV, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = sorted((cache / f).read_text().split() for f in os.listdir(cache) if f.startswith("rank"))
-    assert len(rows) == 4 and len({tuple(r[1:4]) for r in rows}) == 1  # both ranks, both calls: the same tokens
-    assert rows[0][1:3] == ["10", "10"]
-    # Rank 0 tokenized train and eval (two calls) in the first round only; rank 1 never tokenized.
-    assert [r[4] for r in rows] == ["2", "2", "0", "0"]
-    assert len([f for f in os.listdir(cache) if f.startswith("tokens-")]) == 1
-
-
 def test_several_files_of_different_formats_train_end_to_end(tmp_path):
     pairs = demo_pairs("train")[:32]
     std = _write_jsonl(tmp_path / "std.jsonl", pairs[:16])
@@ -847,15 +851,20 @@ def test_bad_input_is_one_clean_line_and_writes_nothing(tmp_path, capsys, name):
     assert err.startswith(f"error: {path}") and message in err and "\n" not in err
 
 
-def test_bad_input_from_the_command_line_has_no_traceback(tmp_path):
+def test_bad_input_from_the_command_line_has_no_traceback(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "chosen": "b", "rejected": 3}\n')
-    for args, message in ((["--data", str(bad)], "bad.jsonl:1: field 'rejected'"),
-                          (["--batch-size", "30", "--micro-batch-size", "4"], "--batch-size 30 must be a multiple")):
-        proc = subprocess.run([sys.executable, os.path.join(HERE, "train_dpo.py"), "--out-dir", str(tmp_path / "o"),
-                               *ON_CPU, *args], capture_output=True, text=True, timeout=120, env=SUBPROCESS_ENV)
-        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-        assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("error: ") and message in proc.stderr
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "train_dpo.py"), "--out-dir", str(tmp_path / "o"),
+                           *ON_CPU, "--data", str(bad)], capture_output=True, text=True, timeout=120,
+                          env=SUBPROCESS_ENV)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith(f"error: {bad}:1: field 'rejected'")
+    # A config's own check fails through tyro's parser, in main() as from the command line.
+    with pytest.raises(SystemExit) as exit_info:
+        train_dpo.main(["--out-dir", str(tmp_path / "o"), *ON_CPU, "--batch-size", "30", "--micro-batch-size", "4"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("error: --batch-size 30 must be a multiple")
     assert not (tmp_path / "o").exists()
 
 
@@ -882,7 +891,7 @@ def test_bf16_on_a_cpu_without_native_bf16_is_never_automatic_and_warns_once(tmp
     auto = resolve_precision(PrecisionConfig("auto"), CPU)
     assert auto.name == "fp32" and auto.warning is None
     assert "no native bfloat16" in resolve_precision(PrecisionConfig("bf16"), CPU).warning
-    run(tmp_path, "slow", "--precision", "bf16", "--max-steps", "1")  # it still trains, after saying why it is slow
+    run(tmp_path, "slow", "--precision", "bf16", "--max-steps", "1", "--batch-size", "4")  # it trains, saying why slow
     err = capsys.readouterr().err
     assert err.count("warning: --precision bf16: this CPU has no native bfloat16") == 1
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
@@ -1098,7 +1107,7 @@ def test_tiny_run_learns_the_preference_and_exports_a_loadable_model(tmp_path):
     # Independent check of the export: score the held-out set with the loaded model against a freshly
     # built reference; it must reproduce the logged final evaluation.
     reference, _ = tiny(seed=0)
-    pairs = tokenize(demo_pairs("eval")[:32], tok, 512, 256)  # HELD_OUT
+    pairs = tokenize(HELD_OUT_PAIRS, tok, 512, 256)
     with torch.no_grad():
         out_pairs = forward_pairs(model.eval(), reference.eval(), collate_pairs(pairs, tok.pad_token_id),
                                             train_dpo.LossConfig())
@@ -1274,11 +1283,35 @@ def test_mfu_uses_the_device_peak_for_the_precision():
     assert device_peak_flops("Some Future GPU", "bf16") is None  # no guess: no mfu key
 
 
-def test_ref_precompute_matches_online_reference_and_is_cached_by_its_inputs(tmp_path, capsys):
-    train, held_out, cache = tmp_path / "train.jsonl", tmp_path / "eval.jsonl", tmp_path / "cache"
-    train.write_text("".join(json.dumps(p) + "\n" for p in demo_pairs("train")[:128]))
-    held_out.write_text("".join(json.dumps(p) + "\n" for p in demo_pairs("eval")[:32]))
-    data = ("--data", str(train), "--eval-data", str(held_out), *SIX)
+# --ref precompute's runs: few pairs, as its pass reads them all; the two-rank run is TWO_RANKS's "lora".
+REF_DATA = ("--data", write_jsonl(os.path.join(CACHE, "train-128.jsonl"), demo_pairs("train")[:128]),
+            "--eval-data", write_jsonl(os.path.join(CACHE, "eval-32.jsonl"), demo_pairs("eval")[:32]), *SIX)
+REF_LORA = ("--lora-rank", "8", "--activation-checkpointing", "--ref", "precompute")
+# An evaluation of 37 held-out pairs (ranks get 19 and 18 + a dummy) with samples; TWO_RANKS's "eval".
+EVAL_ARGS = ("--eval-data", write_jsonl(os.path.join(CACHE, "eval-37.jsonl"), demo_pairs("eval")[:37]),
+             "--max-steps", "2", "--micro-batch-size", "4", "--num-samples", "3", "--sample-temperature", "1.0",
+             "--sample-max-tokens", "8", "--eval-before", "--export-dtype", "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(six_steps, tmp_path_factory):
+    """Three runs in one start of two ranks (torchrun_runs), each checked by its own test. "resumed": six_steps's
+    step-4 checkpoint resumed with micro-batches of 2 (4 a step and rank), tokenizing into an empty cache; "eval":
+    EVAL_ARGS; "lora": REF_DATA with REF_LORA. Returns ({name: out_dir}, stderr of all three)."""
+    folder = tmp_path_factory.mktemp("two-ranks")
+    outs = {name: folder / name for name in ("resumed", "eval", "lora")}
+    resume = os.path.join(six_steps[0], "checkpoints", "step-4")
+    proc = torchrun_runs(2, [
+        trainer_args(outs["resumed"], "--max-steps", "6", "--micro-batch-size", "2", "--resume", resume,
+                     "--cache-dir", str(folder / "cache")),
+        trainer_args(outs["eval"], *EVAL_ARGS),
+        trainer_args(outs["lora"], *REF_DATA, *REF_LORA, "--cache-dir", str(folder / "ref-cache"))])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return outs, proc.stderr
+
+
+def test_ref_precompute_matches_online_reference_and_is_cached_by_its_inputs(two_ranks, tmp_path, capsys):
+    data, cache = REF_DATA, tmp_path / "cache"
     online = run(tmp_path, "online", *data)
     out = run(tmp_path, "pre", *data, "--ref", "precompute", "--cache-dir", str(cache))
     assert "reference log-probs: computed 160 pairs" in capsys.readouterr().err
@@ -1292,40 +1325,44 @@ def test_ref_precompute_matches_online_reference_and_is_cached_by_its_inputs(tmp
     assert table["train"].shape == (128, 2) and table["eval"].shape == (32, 2) and table["train"].lt(0).all()
     # Two ranks each fill their own rows; the sum over ranks puts every pair's values in place exactly once. The
     # two ranks train LoRA (with activation checkpointing): its reference, the base model with the adapters off,
-    # is the same table. (Here, not in a test of its own, to keep the suite's torchrun starts few.)
-    lora = ("--lora-rank", "8", "--activation-checkpointing")
-    proc = torchrun(2, str(tmp_path / "two"), *data, *lora, "--ref", "precompute", "--cache-dir", str(tmp_path / "c2"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for split, values in load_safetensors_file(str(tmp_path / "c2" / name)).items():
+    # is the same table.
+    two = two_ranks[0]["lora"]
+    for split, values in load_safetensors_file(str(two.parent / "ref-cache" / name)).items():
         torch.testing.assert_close(values, table[split], rtol=1e-5, atol=1e-5)
     # Reused by another run with the same inputs (LoRA too), and recomputed when an input changes: the length limit.
-    one = run(tmp_path, "again", *data, *lora, "--ref", "precompute", "--cache-dir", str(cache))
+    one = run(tmp_path, "again", *data, *REF_LORA, "--cache-dir", str(cache))
     assert f"{name} (cached)" in capsys.readouterr().err
-    for x, y in zip(read_metrics(one), read_metrics(tmp_path / "two"), strict=True):  # LoRA: 1 rank and 2 agree
+    for x, y in zip(read_metrics(one), read_metrics(two), strict=True):  # LoRA: 1 rank and 2 agree
         assert {k: x[k] for k in PAIR_METRICS} == pytest.approx({k: y[k] for k in PAIR_METRICS}, rel=1e-4, abs=1e-6)
-    adapters_one, adapters_two = _adapters(one), _adapters(tmp_path / "two")
+    adapters_one, adapters_two = _adapters(one), _adapters(two)
     assert adapters_one.keys() == adapters_two.keys() and len(adapters_one) == 4 * 7 * 2
     for k in adapters_one:
         torch.testing.assert_close(adapters_two[k], adapters_one[k], rtol=0, atol=1e-5)
     run(tmp_path, "short", *data, "--ref", "precompute", "--cache-dir", str(cache), "--max-length", "40",
-        "--max-prompt-length", "20")
+        "--max-prompt-length", "20", "--max-steps", "1")
     assert "reference log-probs: computed" in capsys.readouterr().err
     assert len([f for f in os.listdir(cache) if f.startswith("ref-")]) == 2
 
 
 PREEMPT = """
-import os, signal, sys
+import functools, os, signal, sys, time
 import torch
-import train_dpo
-real, calls = train_dpo.pair_loss, [0]
+import fsdp_setup, train_dpo
+train_dpo.init_distributed = functools.partial(fsdp_setup.init_distributed, timeout_s=5)  # collectives: 5 s
+real_load, real_loss, calls = train_dpo.load_full_model, train_dpo.pair_loss, [0]
+
+def load_full_model(*args):  # rank 0's full model takes longer to load than any collective may wait
+    time.sleep(7)
+    return real_load(*args)
 
 def pair_loss(*args, **kwargs):  # SIGTERM to rank 1 alone, in the middle of step 3
     if torch.is_grad_enabled():  # a training micro-batch, not evaluation
         calls[0] += 1
         if calls[0] == 3 and os.environ["RANK"] == "1":
             os.kill(os.getpid(), signal.SIGTERM)
-    return real(*args, **kwargs)
+    return real_loss(*args, **kwargs)
 
+train_dpo.load_full_model = load_full_model
 train_dpo.pair_loss = pair_loss
 try:
     train_dpo.main(sys.argv[1:])
@@ -1334,7 +1371,9 @@ except SystemExit as e:
 """
 
 
-def test_preempted_two_rank_run_saves_one_agreed_step_and_resumes_on_one_rank(six_steps, tmp_path):
+def test_two_ranks_match_one_then_a_preempted_step_is_saved_once_and_resumes_on_one_rank(six_steps, tmp_path):
+    # Two ranks of 8 pairs each (no accumulation), while rank 0 takes 7 s to load the model and collectives time
+    # out after 5 s: rank 1 must wait for it on the store (fsdp_setup.on_rank0), not in a collective.
     script = tmp_path / "preempt.py"
     script.write_text(PREEMPT)
     out = tmp_path / "run"
@@ -1344,19 +1383,35 @@ def test_preempted_two_rank_run_saves_one_agreed_step_and_resumes_on_one_rank(si
     assert json.load(open(out / "checkpoints" / "step-3" / "trainer_state.json"))["world_size"] == 2
     assert [r["step"] for r in read_metrics(str(out))] == [1, 2, 3]
     run(tmp_path, "run", *SIX, "--resume", "latest")  # DCP reshards 2 ranks -> 1
+    # Steps 1-3 on two ranks, 4-6 on one: the uninterrupted 1-rank run's metrics, tensor names and weights.
     _assert_same_run(six_steps[0], str(out), exact=False)
 
 
-def test_one_rank_checkpoint_resumes_on_two_ranks(six_steps, tmp_path):
-    full = six_steps[0]
-    proc = torchrun(2, str(tmp_path / "two"), *SIX, "--resume", os.path.join(full, "checkpoints", "step-4"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed from" in proc.stderr and "at step 4 (saved on 1 ranks" in proc.stderr
-    for x, y in zip(read_metrics(full)[4:], read_metrics(str(tmp_path / "two")), strict=True):
-        assert x["step"] == y["step"] and x["loss"] == pytest.approx(y["loss"], rel=1e-4)
-    wa, wb = load_safetensors(os.path.join(full, "final")), load_safetensors(str(tmp_path / "two" / "final"))
+def test_one_rank_checkpoint_resumes_on_two_ranks_accumulating_micro_batches(six_steps, two_ranks):
+    full, two, err = six_steps[0], two_ranks[0]["resumed"], two_ranks[1]
+    assert "resumed from" in err and "at step 4 (saved on 1 ranks" in err
+    for x, y in zip(read_metrics(full)[4:], read_metrics(str(two)), strict=True):
+        assert x["step"] == y["step"]
+        assert {k: x[k] for k in PAIR_METRICS} == pytest.approx({k: y[k] for k in PAIR_METRICS}, rel=1e-4, abs=1e-6)
+    wa, wb = load_safetensors(os.path.join(full, "final")), load_safetensors(str(two / "final"))
+    assert set(wa) == set(wb) == _hf_export_names()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=ADAM_ATOL)
+
+
+def test_two_ranks_tokenize_once_on_rank_0_and_share_the_cache(two_ranks, tmp_path, monkeypatch):
+    two = two_ranks[0]["resumed"]
+    cache, calls = two.parent / "cache", [json.load(open(two / f"tokenized-{r}.json")) for r in range(2)]
+    assert calls == [2, 0]  # rank 0 tokenized train and eval; rank 1 read its cache (and trained like one rank)
+    assert len([f for f in os.listdir(cache) if f.startswith("tokens-")]) == 1
+    real, again = data.tokenize_pairs, []
+
+    def tokenize_pairs(*args, **kwargs):
+        again.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(data, "tokenize_pairs", tokenize_pairs)
+    run(tmp_path, "again", "--max-steps", "1", "--cache-dir", str(cache))
+    assert again == []  # a later run finds the cache and tokenizes nothing
 
 
 def test_sigterm_from_outside_saves_the_finished_step_and_exits_promptly(tmp_path):
@@ -1423,51 +1478,19 @@ def test_background_saves_work_in_one_process_group_after_another(tmp_path):
         assert checkpoint.read_trainer_state(str(tmp_path / str(i) / "step-1")) == {"step": 1, "world_size": 1}
 
 
-SLOW_RANK0 = """
-import functools, os, sys, time
-import fsdp_setup, train_dpo
-train_dpo.init_distributed = functools.partial(fsdp_setup.init_distributed, timeout_s=10)  # collectives: 10 s
-real = train_dpo.load_full_model
-
-def load_full_model(*args):  # rank 0's full model takes longer to load than any collective may wait
-    time.sleep(12)
-    return real(*args)
-
-train_dpo.load_full_model = load_full_model
-try:
-    train_dpo.main(sys.argv[1:])
-except SystemExit as e:
-    train_dpo.exit_without_shutdown(e.code)
-train_dpo.exit_without_shutdown(0)
-"""
-
-
-@pytest.mark.parametrize("micro", [8, 2])  # on 2 ranks: no accumulation, and 4 accumulation steps
-def test_two_rank_torchrun_matches_one_rank(six_steps, tmp_path, micro):
-    # With micro-batches of 8, rank 0 also takes 12 s to load the model while collectives time out after 10 s:
-    # rank 1 must wait for it on the store (fsdp_setup.on_rank0), not in a collective.
-    script = tmp_path / "slow.py"
-    script.write_text(SLOW_RANK0)
-    proc = torchrun(2, str(tmp_path / "two"), "--max-steps", "6", "--micro-batch-size", str(micro),
-                    script=script if micro == 8 else None)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    one = six_steps[0]  # 1 rank, 2 accumulation steps
-    _assert_same_run(one, str(tmp_path / "two"), exact=False)  # the same tensor names, losses, weights
-    assert set(load_safetensors(os.path.join(one, "final"))) == _hf_export_names()
-
-
 def test_hsdp_two_replicas_of_two_shards_match_one_rank_and_resume_as_fsdp_on_four(six_steps, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         run(tmp_path, "one", "--replicas", "2")
     assert exit_info.value.code == 2 and "--replicas 2 does not divide the 1 ranks" in capsys.readouterr().err
     hsdp, fsdp, four = tmp_path / "hsdp", tmp_path / "fsdp", ("--max-steps", "6", "--micro-batch-size", "4")
-    proc = torchrun(4, str(hsdp), *four, "--replicas", "2", "--save-every", "4")
+    proc = torchrun_runs(4, [trainer_args(hsdp, *four, "--replicas", "2", "--save-every", "4"),
+                             trainer_args(fsdp, *four, "--resume", str(hsdp / "checkpoints" / "step-4"))])  # 2x2 -> 4
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "4 rank(s) as 2 replicas x 2 shards (HSDP)" in proc.stderr  # the policy's mesh, as built
-    _assert_same_run(six_steps[0], str(hsdp), exact=False, weight_atol=1e-5)  # the issue: weights within 1e-5
-    proc = torchrun(4, str(fsdp), *four, "--resume", str(hsdp / "checkpoints" / "step-4"))  # 2 x 2 -> 4 x 1
-    assert proc.returncode == 0 and "at step 4" in proc.stderr, proc.stderr[-3000:]
-    assert "4 rank(s) on cpu" in proc.stderr and "not restored" not in proc.stderr  # same world: RNG too
+    hsdp_err, fsdp_err = proc.stderr.split(f"saved {hsdp / 'final'}")
+    assert "4 rank(s) as 2 replicas x 2 shards (HSDP)" in hsdp_err  # the policy's mesh, as built
+    _assert_same_run(six_steps[0], str(hsdp), exact=False, weight_atol=1e-5)  # weights within 1e-5
+    assert "4 rank(s) on cpu" in fsdp_err and f"resumed from {hsdp / 'checkpoints' / 'step-4'} at step 4" in fsdp_err
+    assert "not restored" not in fsdp_err  # same world: RNG too
     for x, y in zip(read_metrics(six_steps[0])[4:], read_metrics(str(fsdp)), strict=True):
         assert x["step"] == y["step"] and x["loss"] == pytest.approx(y["loss"], rel=1e-4)
     wa, wb = load_safetensors(os.path.join(six_steps[0], "final")), load_safetensors(str(fsdp / "final"))
@@ -1484,8 +1507,9 @@ def _hf_export_names():
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda_bf16)])
-def test_bf16_training_matches_the_fp32_cpu_run_within_bf16_tolerance(six_steps, tmp_path, device):
-    oracle, bf16 = six_steps[0], run(tmp_path, "bf16", *SIX, "--precision", "bf16", device=device)
+def test_bf16_training_matches_the_fp32_cpu_run_within_bf16_tolerance(tmp_path, device):
+    six = ("--max-steps", "6", "--batch-size", "4")  # few pairs: a CPU without native bf16 emulates it
+    oracle, bf16 = run(tmp_path, "fp32", *six), run(tmp_path, "bf16", *six, "--precision", "bf16", device=device)
     # Tolerances are 10x the differences seen on CPU (bf16 rounds to 8 bits of mantissa; FSDP2 keeps float32
     # masters, gradients and optimizer state, and loss.py computes in float32).
     for split in ("train", "eval"):
@@ -1538,7 +1562,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, device
     script = tmp_path / "inject.py"
     script.write_text(INJECT)
     out = tmp_path / "fp16"
-    proc = torchrun(ranks, str(out), "--batch-size", "8", "--max-steps", "4", "--precision", "fp16", script=script,
+    proc = torchrun(ranks, str(out), "--batch-size", "4", "--max-steps", "4", "--precision", "fp16", script=script,
                     device=device, env={"RECORD_DIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"on {device}" in proc.stderr and ("nccl" in proc.stderr) == (device == "cuda")
@@ -1586,12 +1610,13 @@ def test_nan_loss_skips_the_step_and_repeated_nans_stop_the_run(tmp_path, monkey
 
 def test_fp16_overflows_with_a_finite_loss_do_not_count_toward_max_skipped_steps(tmp_path, monkeypatch, capsys):
     # From the default scale of 2**16 the first step overflows: the scaler finding its scale, not a broken run.
-    out = run(tmp_path, "fp16", "--precision", "fp16", "--max-steps", "2", "--max-skipped-steps", "1")
+    small = ("--precision", "fp16", "--batch-size", "4")  # emulated on a CPU: few pairs
+    out = run(tmp_path, "fp16", *small, "--max-steps", "2", "--max-skipped-steps", "1")
     rows = read_metrics(out)
     assert rows[0]["skipped"] and rows[0]["loss_scale"] == 2.0**15 and not rows[1]["skipped"]
     _poison(monkeypatch, bad_calls={2})  # a non-finite loss still counts (one forward a step here)
     with pytest.raises(SystemExit) as exit_info:
-        run(tmp_path, "nan", "--precision", "fp16", "--max-steps", "3", "--max-skipped-steps", "1")
+        run(tmp_path, "nan", *small, "--max-steps", "3", "--max-skipped-steps", "1")
     assert exit_info.value.code == 1 and "error: stopping at step 2" in capsys.readouterr().err
 
 
@@ -1744,17 +1769,12 @@ def test_generation_keeps_ranks_in_lockstep_when_one_finishes_early(tmp_path):
     assert (tmp_path / "rank1.txt").read_text() == "6 [[3, 3, 3, 3, 3, 3]]"
 
 
-def test_two_rank_eval_counts_each_pair_once_and_writes_the_same_samples(tmp_path):
-    held_out = _write_jsonl(tmp_path / "eval.jsonl", demo_pairs("eval")[:37])  # 37: ranks get 19 and 18 + a dummy
-    args = ("--eval-data", held_out, "--max-steps", "2", "--micro-batch-size", "4", "--num-samples", "3",
-            "--sample-temperature", "1.0", "--sample-max-tokens", "8", "--eval-before")
-    one = run(tmp_path, "one", *args, "--export-dtype", "bfloat16")
-    proc = torchrun(2, str(tmp_path / "two"), *args, "--export-dtype", "bfloat16")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for out in (one, str(tmp_path / "two")):  # one export, whatever the world size, cast tensor by tensor
+def test_two_rank_eval_counts_each_pair_once_and_writes_the_same_samples(two_ranks, tmp_path):
+    one, two, err = run(tmp_path, "one", *EVAL_ARGS), str(two_ranks[0]["eval"]), two_ranks[1]
+    for out in (one, two):  # one export, whatever the world size, cast tensor by tensor
         exported = load_safetensors(os.path.join(out, "final"))
         assert set(exported) == _hf_export_names() and {t.dtype for t in exported.values()} == {torch.bfloat16}
-    for a, b in zip(read_metrics(one, "eval"), read_metrics(str(tmp_path / "two"), "eval"), strict=True):
+    for a, b in zip(read_metrics(one, "eval"), read_metrics(two, "eval"), strict=True):
         assert a["step"] == b["step"]
         for k in PAIR_METRICS:
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
@@ -1762,21 +1782,21 @@ def test_two_rank_eval_counts_each_pair_once_and_writes_the_same_samples(tmp_pat
         return [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
     assert [s["step"] for s in samples(one)] == [0, 0, 0, 2, 2, 2]
     assert [s["prompt"] for s in samples(one)[:3]] == [p["prompt"] for p in demo_pairs("eval")[:3]]
-    assert samples(one)[:3] == samples(str(tmp_path / "two"))[:3]  # same weights, same seeded draws
-    assert "'Review the" in proc.stderr and "-> '" in proc.stderr  # one sample shown on the console
+    assert samples(one)[:3] == samples(two)[:3]  # same weights, same seeded draws
+    assert "'Review the" in err and "-> '" in err  # one sample shown on the console
 
 
 def test_demo_reports_the_scorer_share_and_plots_the_curves(tmp_path, monkeypatch):
+    monkeypatch.setattr(metrics, "plot_metrics", PLOT_METRICS)
     out = run(tmp_path, "run", "--max-steps", "2", "--num-samples", "4", "--sample-max-tokens", "4", "--eval-before")
     rows = read_metrics(out, "eval")
     assert [r["step"] for r in rows] == [0, 2] and all(0 <= r["samples/preferred"] <= 1 for r in rows)
     scores = [score_completion(s["completion"]) for s in map(json.loads, open(os.path.join(out, "samples.jsonl")))]
     assert rows[0]["samples/preferred"] == scores[:4].count(1) / 4
     assert open(os.path.join(out, "metrics.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
-    from metrics import plot_metrics
     for name in ("matplotlib", "matplotlib.figure"):
         monkeypatch.setitem(sys.modules, name, None)  # as if not installed
-    assert plot_metrics(os.path.join(out, "metrics.jsonl"), str(tmp_path / "none.png")) is False
+    assert PLOT_METRICS(os.path.join(out, "metrics.jsonl"), str(tmp_path / "none.png")) is False
     assert not (tmp_path / "none.png").exists()
 
 
