@@ -67,8 +67,7 @@ class PairBatch:
     labels: torch.Tensor  # (2B, T) int64: the response ids, IGNORE_INDEX on prompt and padding (Hugging Face's form)
     response_lengths: torch.Tensor  # (2B,) int64: scored tokens per row
     score_index: torch.Tensor  # (N,) int64: for each scored token, the flat (2B * T) position whose state predicts it
-    score_targets: torch.Tensor  # (N,) int64: the scored tokens
-    score_rows: torch.Tensor  # (N,) int64: each scored token's row, 0..2B-1, in order (chosen rows' tokens first)
+    score_targets: torch.Tensor  # (N,) int64: the scored tokens, row after row (response_lengths[r] of row r)
     chosen_scored: int  # how many of the N scored tokens belong to chosen rows
 
     @property
@@ -79,8 +78,7 @@ class PairBatch:
         """The first B rows alone (SFT scores the chosen responses only)."""
         half, n = self.rows // 2, self.chosen_scored
         return PairBatch(self.input_ids[:half], self.attention_mask[:half], self.labels[:half],
-                         self.response_lengths[:half], self.score_index[:n], self.score_targets[:n],
-                         self.score_rows[:n], n)
+                         self.response_lengths[:half], self.score_index[:n], self.score_targets[:n], n)
 
     def to(self, device: torch.device) -> "PairBatch":
         moved = {f.name: to_device(getattr(self, f.name), device) for f in fields(self) if f.name != "chosen_scored"}
@@ -95,7 +93,7 @@ def collate_pairs(pairs: list[dict[str, list[int]]], pad_id: int) -> PairBatch:
     input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=host)
     labels = torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.long, device=host)
     attention_mask = torch.zeros((len(seqs), width), dtype=torch.long, device=host)
-    index, targets, rows = [], [], []
+    index, targets = [], []
     for r, (prompt, response) in enumerate(seqs):
         end = len(prompt) + len(response)
         input_ids[r, :end] = torch.tensor(prompt + response, device=host)
@@ -103,10 +101,8 @@ def collate_pairs(pairs: list[dict[str, list[int]]], pad_id: int) -> PairBatch:
         attention_mask[r, :end] = 1
         index += range(r * width + len(prompt) - 1, r * width + end - 1)  # the position before each response token
         targets += response
-        rows += [r] * len(response)
     return PairBatch(input_ids, attention_mask, labels, torch.tensor([len(r) for _, r in seqs], device=host),
                      torch.tensor(index, device=host), torch.tensor(targets, device=host),
-                     torch.tensor(rows, device=host),
                      sum(len(response) for _, response in seqs[:len(pairs)]))
 
 

@@ -8,7 +8,7 @@ Copyable on its own: imports only the standard library and torch.
     state = read_trainer_state(path)                       # the saved extra, cheap: before building models
     check_same_run(state, {"config": config}, fixed={"model": "--model", "batch_size": "--batch-size"})
     load_checkpoint(path, model, optimizer)                # any world size: DCP reshards on load
-    stop = StopRequest()                                   # SIGTERM/SIGINT: finish the step, save, exit
+    stop = StopRequest()                                   # SIGTERM/SIGUSR1/SIGINT: finish the step, save, exit
 
 A checkpoint folder holds the model (less frozen weights, such as LoRA's base) and optimizer shards (DCP),
 trainer_state.json (the caller's extra plus world_size) and rng-rank{r}.pt (torch CPU, own GPU, Python RNGs).
@@ -70,6 +70,7 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: Optimizer
         with open(os.path.join(tmp, _STATE), "w") as f:
             json.dump({**extra, "world_size": dist.get_world_size()}, f, indent=2)
     dist.barrier()
+    os.makedirs(tmp, exist_ok=True)  # a shared file system may show another node rank 0's new folder late
     device = next(model.parameters()).device  # only this rank's own GPU: a resumed process may see fewer
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
@@ -182,10 +183,10 @@ def _leaves(config: dict) -> dict:
 
 
 class StopRequest:
-    """Turn SIGTERM and SIGINT into a flag the training loop checks after each step; a second signal acts
-    as usual (so Ctrl-C twice still quits at once). `signum` is the signal received, 0 if none."""
+    """Turn SIGTERM, SIGUSR1 (SLURM's --signal warning) and SIGINT into a flag the training loop checks after each
+    step; a second signal acts as usual (Ctrl-C twice quits at once). `signum`: the signal received, 0 if none."""
 
-    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)):
         self.signum = 0
         self._previous = {s: signal.signal(s, self._handle) for s in signals}
 

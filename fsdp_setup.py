@@ -80,9 +80,8 @@ def init_distributed(device: str = "auto", replicas: int = 1, timeout_s: int = 1
     device_id = device if cuda else None
     if "RANK" in os.environ:  # keys of its own, not an earlier group's in this process: main() may run again
         store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
-        store = dist.PrefixStore(f"dpo/{next(_groups)}", store)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s), device_id=device_id)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"dpo/{next(_groups)}", store), rank=rank,
+                                world_size=world, timeout=timedelta(seconds=timeout_s), device_id=device_id)
     else:  # a HashStore needs no free port, so two single-process runs on one machine never collide
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
     return dist.get_rank(), dist.get_world_size(), device
@@ -150,6 +149,8 @@ def build_sharded(make_model, full_model: nn.Module | None, mp_policy: MixedPrec
                   config: FSDPConfig, frozen: bool = False) -> nn.Module:
     """make_model() on meta, checkpointed (unless frozen: a reference) and compiled as `config` asks, sharded, filled
     from rank 0's `full_model` (None elsewhere). Never-changing weights (frozen, LoRA's base) get no float32 master."""
+    if config.unsharded_grad_accumulation and mp_policy.reduce_dtype == torch.bfloat16:
+        raise ValueError("--unsharded-grad-accumulation sums micro-batch gradients in bf16: use --reduce-dtype fp32")
     with torch.device("meta"):
         model = make_model()
     if mp_policy.param_dtype is not None:

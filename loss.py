@@ -118,8 +118,9 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, average: bool = F
     rows, cols = mask.nonzero(as_tuple=True)  # (N,) each: the counted positions
     flat = logits.reshape(batch * length, -1)  # (B * T, V), a view
     token_logps = _TokenLogps.apply(flat, rows * length + cols, labels[:, 1:][mask], None)  # (N,) float32
-    total = torch.zeros(batch, device=logits.device).index_add_(0, rows, token_logps)  # (B,)
-    return total / mask.sum(-1).clamp(min=1) if average else total
+    counts = mask.sum(-1)  # (B,); each row's tokens are consecutive: summed in order, no atomics (index_add_'s)
+    total = torch.segment_reduce(token_logps, "sum", lengths=counts, unsafe=True, initial=0)  # same inputs, same bits
+    return total / counts.clamp(min=1) if average else total
 
 
 def _chunk_rows(vocab: int, device: torch.device, matmul: bool = False) -> int:
@@ -219,7 +220,8 @@ def add_scored_head(model: nn.Module) -> nn.Module:
 def response_logps(model, batch) -> torch.Tensor:
     """(rows,) float32 summed log-probs of each row's response tokens, from a causal LM whose output layer is a
     ScoredHead (added before sharding or adapters). batch: a batches.PairBatch, or anything with its input_ids
-    (rows, T), score_index, score_targets, score_rows (N,) and rows. No attention mask: rows are right-padded."""
+    (rows, T), score_index, score_targets (N,) and response_lengths (rows,). No attention mask: rows are
+    right-padded."""
     head = model.get_output_embeddings()
     if not isinstance(head, ScoredHead):
         raise ValueError(f"{type(head).__name__} is not a ScoredHead: call loss.add_scored_head(model) first")
@@ -230,7 +232,7 @@ def response_logps(model, batch) -> torch.Tensor:
         head.score = None
     if out.dim() == 2:
         out = _TokenLogps.apply(out, None, batch.score_targets, None)
-    return torch.zeros(batch.rows, device=out.device).index_add_(0, batch.score_rows, out)
+    return torch.segment_reduce(out, "sum", lengths=batch.response_lengths, unsafe=True, initial=0)  # in order
 
 
 def pair_logps(policy, reference, batch, pairwise: bool = True, ref_logps: torch.Tensor | None = None):

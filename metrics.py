@@ -4,7 +4,7 @@ Copyable on its own: imports only the standard library and torch.
 
     sums += pair_stats(out).sum(0)           # per micro-batch, no host sync; dist.all_reduce(sums) once per step
     row = pair_means(sums, n_pairs)          # {"loss": ..., "rewards/accuracies": ..., ...}
-    log = RunLog("runs/x", resume_step=0, samples=True, wandb_project=None, config={})
+    log = RunLog("runs/x", resume_step=0, samples=True)  # log.wandb = open_wandb(project, config, out_dir): W&B too
     log.write({"step": 1, "split": "train", **row})   # metrics.jsonl (rank 0); log.close() plots metrics.png
 """
 
@@ -187,13 +187,13 @@ def plot_metrics(jsonl_path: str, png_path: str) -> bool:
 class RunLog:
     """A run's rows into {out_dir}/metrics.jsonl, samples.jsonl and W&B by rank 0 (elsewhere calls do nothing)."""
 
-    def __init__(self, out_dir: str, resume_step: int, samples: bool, wandb_project: str | None, config: dict):
+    def __init__(self, out_dir: str, resume_step: int, samples: bool):
         rank0 = _rank0()
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.metrics = open_log(self.path, resume_step) if rank0 else None
         self.samples = open_log(os.path.join(out_dir, "samples.jsonl"), resume_step) if rank0 and samples else None
-        self.wandb = open_wandb(wandb_project, config, out_dir) if rank0 and wandb_project else None
+        self.wandb = None  # an open_wandb run on rank 0, opened by the caller (where a failure reaches every rank)
 
     def write_data(self, summaries: dict[str, dict], fresh: bool) -> None:
         """Show each data split's counts (data.tokenize_pairs' summary); a fresh run also logs them at step 0."""

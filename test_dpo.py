@@ -318,6 +318,16 @@ def test_sequence_logps_values_and_gradients_match_naive_float32(dtype, average,
         sequence_logps(a.detach(), labels.to("meta"))
 
 
+@needs_cuda
+def test_log_probs_repeat_bit_for_bit_on_cuda():
+    # Each row's token log-probs are summed in order, without atomics (index_add_ on CUDA adds in any order).
+    model, tok = tiny(seed=0)
+    batch = collate_pairs(tokenize(demo_pairs("eval")[:16], tok, 512, 256), tok.pad_token_id).to("cuda")
+    with torch.no_grad():
+        first, second = response_logps(model.cuda(), batch), response_logps(model, batch)
+    assert torch.equal(first, second)
+
+
 def test_sequence_logps_matches_hugging_face_loss():
     model, _ = tiny(seed=1)
     g = torch.Generator().manual_seed(1)
@@ -350,12 +360,13 @@ def test_batch_layout_right_pads_rows_and_indexes_exactly_the_response_tokens():
         assert batch.attention_mask[i].tolist() == [1] * end + [0] * (width - end)  # padding only after
         assert batch.labels[i].tolist() == [-100] * len(p["prompt"]) + resp + [-100] * (width - end)
         # The scored positions of row i: each is the one before its target token, in this row.
-        mine = batch.score_rows == i
+        start = batch.response_lengths[:i].sum()
+        mine = slice(start, start + len(resp))  # row after row
         assert batch.score_targets[mine].tolist() == resp
         assert (flat_ids[batch.score_index[mine] + 1] == batch.score_targets[mine]).all()
         assert (batch.score_index[mine] // width == i).all()
     assert batch.chosen_scored == sum(len(p["chosen"]) for p in pairs)
-    assert (batch.score_rows[:batch.chosen_scored] < 2).all()  # chosen rows' tokens come first
+    assert batch.response_lengths[:2].sum() == batch.chosen_scored  # chosen rows' tokens come first
     # sequence_logps on the labels scores the same tokens: perturbing every other position changes nothing.
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, width, len(tok), generator=g)
@@ -928,10 +939,16 @@ def test_each_process_takes_its_own_gpu_however_many_it_sees(monkeypatch):
             fsdp_setup.init_distributed("cuda")
 
 
-def test_reduce_dtype_flag():
+def test_reduce_dtype_flag(tmp_path, capsys):
     assert resolve_precision(PrecisionConfig("bf16", reduce_dtype="bf16"), CPU).mp_policy.reduce_dtype == torch.bfloat16
     with pytest.raises(ValueError, match="needs --precision bf16"):
         resolve_precision(PrecisionConfig("fp32", reduce_dtype="bf16"), CPU)
+    # Unsharded accumulation would add the micro-batches' gradients in bf16: refused, before anything is written.
+    with pytest.raises(SystemExit) as exit_info:
+        run(tmp_path, "run", "--precision", "bf16", "--reduce-dtype", "bf16", "--unsharded-grad-accumulation")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "error: --unsharded-grad-accumulation sums micro-batch gradients" in err
+    assert not (tmp_path / "run").exists()
 
 
 def sharded_tiny(seed, precision="fp32", frozen=False, **fsdp):
@@ -1414,7 +1431,8 @@ def test_two_ranks_tokenize_once_on_rank_0_and_share_the_cache(two_ranks, tmp_pa
     assert again == []  # a later run finds the cache and tokenizes nothing
 
 
-def test_sigterm_from_outside_saves_the_finished_step_and_exits_promptly(tmp_path):
+def test_sigusr1_from_outside_saves_the_finished_step_and_exits_promptly(tmp_path):
+    # SIGUSR1 (SLURM's warning before the time limit) as SIGTERM (the preempted two-rank test sends that one)
     out = tmp_path / "run"
     cmd = [sys.executable, os.path.join(HERE, "train_dpo.py"),
            *trainer_args(out, "--max-steps", "200", "--async-save")]  # the stop waits for the write
@@ -1425,9 +1443,9 @@ def test_sigterm_from_outside_saves_the_finished_step_and_exits_promptly(tmp_pat
     while not (metrics.exists() and metrics.read_text().count("\n") >= 4) and time.monotonic() < deadline:
         time.sleep(0.02)
     sent = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGUSR1)
     _, err = proc.communicate(timeout=60)
-    assert time.monotonic() - sent < 60 and proc.returncode == 128 + signal.SIGTERM, err
+    assert time.monotonic() - sent < 60 and proc.returncode == 128 + signal.SIGUSR1, err
     last = read_metrics(str(out))[-1]["step"]
     assert (out / "checkpoints" / "latest").read_text() == f"step-{last}" and 2 <= last < 200
     run(tmp_path, "run", "--max-steps", str(last + 1), "--resume", "latest")  # a shorter run: allowed

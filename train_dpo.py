@@ -34,7 +34,8 @@ from lora import (LoraConfig, WithoutAdapters, add_adapters, check_mergeable, ga
                   save_adapters)
 from loss import LossConfig, ScoredHead, add_scored_head, pair_logps, pair_loss, response_logps
 from metrics import (PAIR_METRICS, RunLog, batch_counts, eval_line, flop_coefficients, host_memory_by_rank_gb,
-                     pair_means, pair_stats, peak_memory_gb, say, sharded_line, show_progress, step_metrics)
+                     open_wandb, pair_means, pair_stats, peak_memory_gb, say, sharded_line, show_progress,
+                     step_metrics)
 from models import load_full_model, load_model_config, model_identity
 from precision import Precision, PrecisionConfig, resolve_precision, skip_counts
 from samples import SampleConfig, sample_completions
@@ -101,13 +102,14 @@ def train(cfg: Config, rank: int, world: int, device: torch.device) -> int:
         return 2
     cfg, objective, micro_size = run.cfg, run.cfg.objective, run.cfg.batching.micro_batch_size  # resolved
     policy, scaler = run.policy, run.precision.scaler  # scaler: fp16's; elsewhere it passes all through
-    log = RunLog(cfg.out_dir, run.start_step, cfg.sampling.num_samples > 0 and len(run.eval) > 0, cfg.wandb_project,
-                 asdict(cfg))  # metrics.jsonl (the data's counts at step 0), samples.jsonl and W&B
+    log = RunLog(cfg.out_dir, run.start_step, cfg.sampling.num_samples > 0 and len(run.eval) > 0)  # and samples.jsonl
+    if cfg.wandb_project:  # rank 0's run; its failure (no API key on a batch node) stops every rank at once
+        log.wandb = on_rank0(functools.partial(open_wandb, cfg.wandb_project, asdict(cfg), cfg.out_dir), share=False)
     log.write_data({split: run.data[split] for split in ("train", "eval")}, fresh=run.start_step == 0)
     # Tokens, token slots and model FLOPs (LoRA's backward makes no frozen-weight gradient: one forward's worth).
     counts = functools.partial(batch_counts, flop_coefficients(policy), objective.pairwise,
                                2 if cfg.lora.lora_rank else 3, run.reference is not None)
-    stop = StopRequest()  # SIGTERM / SIGINT: finish the step, save, exit
+    stop = StopRequest()  # SIGTERM / SIGUSR1 / SIGINT: finish the step, save, exit
     t0 = time.perf_counter()
     bad_steps = 0  # consecutive skipped steps that count toward --max-skipped-steps
     if run.start_step == 0 and cfg.sampling.eval_before:
@@ -161,8 +163,7 @@ def train(cfg: Config, rank: int, world: int, device: torch.device) -> int:
             finish_checkpoint()
             log.close()
             return 1
-        every = cfg.sampling.eval_every
-        if every and (step + 1) % every == 0 and step + 1 < run.steps.total_steps:
+        if cfg.sampling.eval_every and (step + 1) % cfg.sampling.eval_every == 0 and step + 1 < run.steps.total_steps:
             evaluate_and_sample(run, log, step + 1, t0)
         stopping = peaks[1].item() > 0
         if stopping or (cfg.checkpoints.save_every and (step + 1) % cfg.checkpoints.save_every == 0):
@@ -191,16 +192,15 @@ def evaluate_and_sample(run, log: RunLog, step: int, t0: float) -> None:
     """Means over the held-out set, completions of its first --num-samples prompts; both logged, a line shown."""
     if not len(run.eval):
         return
-    objective, n_prompts = run.cfg.objective, min(run.cfg.sampling.num_samples, len(run.eval))
+    objective, micro = run.cfg.objective, run.cfg.batching.micro_batch_size
 
     def stats(idx, batch):  # (B, len(PAIR_METRICS))
         ref_logps = table_rows(run.ref_tables["eval"], idx) if run.ref_tables else None
         logps, ref_logps = pair_logps(run.policy, run.reference, batch, objective.pairwise, ref_logps)
         return pair_stats(pair_loss(logps, ref_logps, batch.response_lengths, objective, run.eval.mean_chosen()))
     with inference(run.policy):  # every rank generates (FSDP needs them all); rank 0 writes
-        micro = run.cfg.batching.micro_batch_size
         table = pair_table(run.eval, len(PAIR_METRICS), stats, micro, run.pad_id, run.device)
-        prompts = [run.eval[i]["prompt"] for i in range(n_prompts)]
+        prompts = [run.eval[i]["prompt"] for i in range(min(run.cfg.sampling.num_samples, len(run.eval)))]
         samples = [{"step": step, **s} for s in sample_completions(run.policy, run.tokenizer, prompts,
                                                                    run.cfg.sampling, run.pad_id, run.cfg.seed)]
     m = pair_means(table.sum(0), len(run.eval), objective.pairwise)
@@ -318,8 +318,8 @@ def prepare_model(cfg: Config, model):
 def load_or_precompute_ref(run: Run, model_config) -> dict[str, torch.Tensor]:
     """--ref precompute's {"train", "eval"}: (N, 2) [chosen, rejected] summed log-probs of the untrained policy
     (LoRA: adapters off), cached in {cache_dir}/ref-<hash>.safetensors, keyed by all they depend on."""
-    key = {"model": model_identity(run.cfg.model, model_config, run.cfg.seed), "data": run.data["fingerprint"],
-           "precision": run.precision.name}
+    key = {"model": on_rank0(functools.partial(model_identity, run.cfg.model, model_config, run.cfg.seed)),
+           "data": run.data["fingerprint"], "precision": run.precision.name}  # rank 0's: nodes' file times differ
     path = os.path.join(run.cfg.dataset.cache_dir, f"ref-{key_digest(key)[:20]}.safetensors")
     if on_rank0(functools.partial(os.path.exists, path)):
         say(f"reference log-probs: {path} (cached)")
