@@ -166,23 +166,32 @@ def tokenize_pairs(*args, **kwargs):  # counted: which ranks tokenize
 data.tokenize_pairs = tokenize_pairs
 for argv in json.loads(sys.argv[1]):  # runs in turn, each with a process group of its own
     calls.clear()
-    train_dpo.main(argv)
-    with open(os.path.join(argv[argv.index("--out-dir") + 1], f"tokenized-{os.environ['RANK']}.json"), "w") as f:
-        json.dump(len(calls), f)
+    error = None
+    try:
+        train_dpo.main(argv)
+    except RuntimeError as e:  # recorded for the test to read: the next run goes on
+        error = str(e)
+    with open(os.path.join(argv[argv.index("--out-dir") + 1], f"run-{os.environ['RANK']}.json"), "w") as f:
+        json.dump({"tokenize_calls": len(calls), "error": error}, f)
 train_dpo.exit_without_shutdown(0)
 """
 
 
-def torchrun_runs(nproc, runs):
+def torchrun_runs(nproc, runs, pythonpath=()):
     """Several trainer runs (lists of trainer_args) in turn in one start of nproc ranks: fewer process starts. Each
-    run's out_dir gets tokenized-{rank}.json, its number of data.tokenize_pairs calls there."""
+    run's out_dir gets run-{rank}.json: its data.tokenize_pairs calls there, and the RuntimeError that ended it."""
     script = os.path.join(CACHE, "runs.py")
     with open(script, "w") as f:
         f.write(RUNS)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script,
            json.dumps(runs)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**SUBPROCESS_ENV, "OMP_NUM_THREADS": "1"})
+    env = {**SUBPROCESS_ENV, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([HERE, *pythonpath])}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def run_records(out, ranks):
+    """torchrun_runs's run-{rank}.json of a run, rank by rank."""
+    return [json.load(open(os.path.join(out, f"run-{r}.json"))) for r in range(ranks)]
 
 
 def load_safetensors(folder):
@@ -1310,21 +1319,40 @@ EVAL_ARGS = ("--eval-data", write_jsonl(os.path.join(CACHE, "eval-37.jsonl"), de
              "--sample-max-tokens", "8", "--eval-before", "--export-dtype", "bfloat16")
 
 
+FAILING_WANDB = """
+def init(**kwargs):
+    raise RuntimeError("no API key")
+"""
+
+
 @pytest.fixture(scope="module")
 def two_ranks(six_steps, tmp_path_factory):
-    """Three runs in one start of two ranks (torchrun_runs), each checked by its own test. "resumed": six_steps's
+    """Four runs in one start of two ranks (torchrun_runs), each checked by its own test. "resumed": six_steps's
     step-4 checkpoint resumed with micro-batches of 2 (4 a step and rank), tokenizing into an empty cache; "eval":
-    EVAL_ARGS; "lora": REF_DATA with REF_LORA. Returns ({name: out_dir}, stderr of all three)."""
+    EVAL_ARGS; "lora": REF_DATA with REF_LORA; "wandb": a W&B project whose wandb.init fails (FAILING_WANDB).
+    Returns ({name: out_dir}, stderr of all)."""
     folder = tmp_path_factory.mktemp("two-ranks")
-    outs = {name: folder / name for name in ("resumed", "eval", "lora")}
+    outs = {name: folder / name for name in ("resumed", "eval", "lora", "wandb")}
     resume = os.path.join(six_steps[0], "checkpoints", "step-4")
+    (folder / "fake").mkdir()
+    (folder / "fake" / "wandb.py").write_text(FAILING_WANDB)
     proc = torchrun_runs(2, [
         trainer_args(outs["resumed"], "--max-steps", "6", "--micro-batch-size", "2", "--resume", resume,
                      "--cache-dir", str(folder / "cache")),
         trainer_args(outs["eval"], *EVAL_ARGS),
-        trainer_args(outs["lora"], *REF_DATA, *REF_LORA, "--cache-dir", str(folder / "ref-cache"))])
+        trainer_args(outs["lora"], *REF_DATA, *REF_LORA, "--cache-dir", str(folder / "ref-cache")),
+        trainer_args(outs["wandb"], "--max-steps", "2", "--wandb-project", "p")], pythonpath=[str(folder / "fake")])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("resumed", "eval", "lora"):
+        assert [r["error"] for r in run_records(outs[name], 2)] == [None, None], proc.stderr[-3000:]
     return outs, proc.stderr
+
+
+def test_a_failing_wandb_init_on_rank_0_stops_every_rank_at_once(two_ranks):
+    # Not rank 1 waiting in the first training collective for a rank 0 that is gone.
+    records = run_records(two_ranks[0]["wandb"], 2)
+    assert [r["error"] for r in records] == ["no API key", "rank 0 failed: no API key"]
+    assert not read_metrics(two_ranks[0]["wandb"])  # no step was trained
 
 
 def test_ref_precompute_matches_online_reference_and_is_cached_by_its_inputs(two_ranks, tmp_path, capsys):
@@ -1418,7 +1446,7 @@ def test_one_rank_checkpoint_resumes_on_two_ranks_accumulating_micro_batches(six
 
 def test_two_ranks_tokenize_once_on_rank_0_and_share_the_cache(two_ranks, tmp_path, monkeypatch):
     two = two_ranks[0]["resumed"]
-    cache, calls = two.parent / "cache", [json.load(open(two / f"tokenized-{r}.json")) for r in range(2)]
+    cache, calls = two.parent / "cache", [r["tokenize_calls"] for r in run_records(two, 2)]
     assert calls == [2, 0]  # rank 0 tokenized train and eval; rank 1 read its cache (and trained like one rank)
     assert len([f for f in os.listdir(cache) if f.startswith("tokens-")]) == 1
     real, again = data.tokenize_pairs, []
