@@ -47,9 +47,7 @@ def score_completion(text: str) -> int:
     """The demo's ground truth for a generated review: +1 in the chosen style (praise or "5/5", no
     criticism), -1 in the rejected style (criticism or "1/5", no praise), 0 for neither or both."""
     words = set(_WORD.findall(text.lower()))
-    good = bool(words & {*_GOOD, "5/5"})
-    bad = bool(words & {*_BAD, "1/5"})
-    return int(good) - int(bad)
+    return int(bool(words & {*_GOOD, "5/5"})) - int(bool(words & {*_BAD, "1/5"}))
 
 
 def score_samples(completions: list[str]) -> dict[str, float]:

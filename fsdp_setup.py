@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 _groups = itertools.count(1)  # process groups started in this process
 _rank0_calls = itertools.count(1)  # every rank calls on_rank0 in the same order: the n-th call's key
@@ -47,6 +47,8 @@ class FSDPConfig:
     unsharded_grad_accumulation: bool = False
     """Accumulate micro-batch gradients unsharded and reduce-scatter once per step: fewer collectives, but every
     rank holds a full gradient in the reduce dtype until the last micro-batch. Off: only gradient shards are kept."""
+    cpu_offload: bool = False
+    """The policy's shards, gradients and AdamW state in host memory, its optimizer step on the CPU: less GPU memory."""
     replicas: int = 1
     """HSDP: R copies of the model, each sharded over world/R consecutive ranks (e.g. one node), so only gradient
     shards cross copies (an all-reduce over the R copies). 1: every rank shards one copy (FSDP)."""
@@ -163,14 +165,15 @@ def build_sharded(make_model, full_model: nn.Module | None, mp_policy: MixedPrec
         # After checkpointing, to compile the recomputation too; before FSDP, keeping its hooks out of the graph.
         for block in _blocks(model):
             block.compile(dynamic=True)
+    offload = config.cpu_offload and not frozen
     apply_fsdp(model, mp_policy, device, frozen=frozen, reshard_after_forward=config.reshard_after_forward,
-               replicas=config.replicas)
-    load_from_rank0(model, full_model, device)
+               replicas=config.replicas, offload=offload)
+    load_from_rank0(model, full_model, device, offload)
     return model
 
 
 def apply_fsdp(model: nn.Module, mp_policy: MixedPrecisionPolicy, device: torch.device, frozen: bool = False,
-               reshard_after_forward: bool = True, replicas: int = 1) -> nn.Module:
+               reshard_after_forward: bool = True, replicas: int = 1, offload: bool = False) -> nn.Module:
     """Shard `model` in place with FSDP2 on `device`: each transformer block, then the root with the rest (ties kept).
     frozen: a reference (no gradients, eval mode), always resharded. replicas=R > 1: HSDP, an (R, world/R) mesh."""
     world = dist.get_world_size()
@@ -178,10 +181,12 @@ def apply_fsdp(model: nn.Module, mp_policy: MixedPrecisionPolicy, device: torch.
     mesh = init_device_mesh(device.type, (world,)) if replicas == 1 else _hsdp_mesh(device.type, replicas)
     if frozen:
         model.requires_grad_(False).eval()
+    policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()  # offload: on the host
+    shard = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": policy}
     for block in _blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward or frozen)
+        fully_shard(block, reshard_after_forward=reshard_after_forward or frozen, **shard)
     # A trained root stays gathered after forward (FSDP2's default), as backward needs it at once.
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=True if frozen else None)
+    fully_shard(model, reshard_after_forward=True if frozen else None, **shard)
     return model
 
 
@@ -209,10 +214,10 @@ def inference(model: nn.Module):
         model.reshard()
 
 
-def load_from_rank0(model: nn.Module, full_model: nn.Module | None, device: torch.device) -> None:
-    """Materialise a sharded meta-device model on `device` and fill it from rank 0's full CPU model (None on
-    other ranks, which never hold more than one full tensor: each is broadcast, and every rank keeps its shard)."""
-    model.to_empty(device=device)
+def load_from_rank0(model: nn.Module, full_model: nn.Module | None, device: torch.device, offload: bool = False):
+    """Materialise a sharded meta-device model on `device` (offload: its shards on the host) and fill it from rank
+    0's full CPU model (None on other ranks, which never hold more than one full tensor: each is broadcast)."""
+    model.to_empty(device="cpu" if offload else device)
     state = full_model.state_dict() if full_model is not None else {}
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     # Buffers are not sharded, and non-persistent ones (e.g. rotary inv_freq) are not in the state dict.
@@ -220,6 +225,8 @@ def load_from_rank0(model: nn.Module, full_model: nn.Module | None, device: torc
         if full_model is not None:
             buf.copy_(full_model.get_buffer(name))
         dist.broadcast(buf, src=0)
+    for module in model.modules():  # offloaded: the buffers still go where forward runs
+        module._buffers.update({k: b.to(device) for k, b in module._buffers.items() if b is not None})
 
 
 def gather_full_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:

@@ -118,15 +118,14 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, average: bool = F
     rows, cols = mask.nonzero(as_tuple=True)  # (N,) each: the counted positions
     flat = logits.reshape(batch * length, -1)  # (B * T, V), a view
     token_logps = _TokenLogps.apply(flat, rows * length + cols, labels[:, 1:][mask], None)  # (N,) float32
-    counts = mask.sum(-1)  # (B,); each row's tokens are consecutive: summed in order, no atomics (index_add_'s)
-    total = torch.segment_reduce(token_logps, "sum", lengths=counts, unsafe=True, initial=0)  # same inputs, same bits
-    return total / counts.clamp(min=1) if average else total
+    # Each row's tokens are consecutive: summed in order, without index_add_'s atomics, so same inputs, same bits.
+    total = torch.segment_reduce(token_logps, "sum", lengths=mask.sum(-1), unsafe=True, initial=0)  # (B,)
+    return total / mask.sum(-1).clamp(min=1) if average else total
 
 
 def _chunk_rows(vocab: int, device: torch.device, matmul: bool = False) -> int:
-    # Rows per float32 (rows, V) chunk. A log-softmax alone on a CPU: a chunk small enough to stay in cache.
-    # With the output layer's matmul, or on a GPU: large chunks, as small matmuls are slow; at V = 128k a
-    # chunk still holds hundreds of rows.
+    # Rows per float32 (rows, V) chunk. A log-softmax alone on a CPU: a chunk small enough to stay in cache. With
+    # the output layer's matmul, or on a GPU: large, as small matmuls are slow (at V = 128k, hundreds of rows).
     if device.type == "cpu" and not matmul:
         return max(1, 2**20 // vocab)
     return max(1, 2**26 // vocab)

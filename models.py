@@ -46,10 +46,7 @@ def model_identity(name: str, config, seed: int) -> dict:
     if name == "tiny":
         return {"tiny": seed, "config": config.to_dict()}
     folder = os.path.expanduser(name)
-    files = []
-    if os.path.isdir(folder):
-        for f in sorted(os.listdir(folder)):
-            if f.endswith((".safetensors", ".bin")):
-                path = os.path.join(folder, f)
-                files.append((f, os.path.getsize(path), os.path.getmtime(path)))
+    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []  # a hub id: its commit says it all
+    files = [(f, os.path.getsize(os.path.join(folder, f)), os.path.getmtime(os.path.join(folder, f)))
+             for f in names if f.endswith((".safetensors", ".bin"))]
     return {"name": name, "commit": getattr(config, "_commit_hash", None), "files": files}

@@ -53,8 +53,7 @@ class Precision:
     mp_policy: MixedPrecisionPolicy
     """FSDP2 policy: gather parameters in compute_dtype, reduce gradients in float32 (or bf16 if asked)."""
     scaler: torch.amp.GradScaler
-    """Dynamic loss scaler, enabled for fp16; otherwise scale() and unscale_() do nothing and step() is
-    optimizer.step(), so one training loop serves every mode."""
+    """Dynamic loss scaler for fp16; disabled otherwise (scale, unscale_ pass through, step is optimizer.step)."""
     warning: str | None = None
     """Why this choice will be slow on this machine, for the caller to print once; None when it will not."""
 
@@ -84,9 +83,8 @@ def resolve_precision(config: PrecisionConfig, device: torch.device) -> Precisio
     scaler = torch.amp.GradScaler(device.type, enabled=name == "fp16")
     warning = None
     if name == "bf16" and device.type == "cpu" and cpu_has_native_bf16() is False:
-        warning = ("--precision bf16: this CPU has no native bfloat16 (no avx512_bf16 or amx_bf16 in /proc/cpuinfo), "
-                   "so every bf16 matmul is emulated, many times slower than fp32; --precision fp32 (or auto) is "
-                   "faster here")
+        warning = ("--precision bf16: this CPU has no native bfloat16 (no avx512_bf16 or amx_bf16 in /proc/cpuinfo): "
+                   "bf16 matmuls are emulated, many times slower than fp32; --precision fp32 (or auto) is faster here")
     return Precision(name=name, compute_dtype=dtype, mp_policy=policy, scaler=scaler, warning=warning)
 
 

@@ -1327,23 +1327,26 @@ def init(**kwargs):
 
 @pytest.fixture(scope="module")
 def two_ranks(six_steps, tmp_path_factory):
-    """Four runs in one start of two ranks (torchrun_runs), each checked by its own test. "resumed": six_steps's
-    step-4 checkpoint resumed with micro-batches of 2 (4 a step and rank), tokenizing into an empty cache; "eval":
-    EVAL_ARGS; "lora": REF_DATA with REF_LORA; "wandb": a W&B project whose wandb.init fails (FAILING_WANDB).
+    """Five runs in one start of two ranks (torchrun_runs), each checked by its own test. "resumed": six_steps's
+    step-4 checkpoint resumed with micro-batches of 2 (4 a step and rank), tokenizing into an empty cache;
+    "offload": the same with --cpu-offload (and activation checkpointing), saving every step; "eval": EVAL_ARGS;
+    "lora": REF_DATA with REF_LORA, offloaded; "wandb": a W&B project whose wandb.init fails (FAILING_WANDB).
     Returns ({name: out_dir}, stderr of all)."""
     folder = tmp_path_factory.mktemp("two-ranks")
-    outs = {name: folder / name for name in ("resumed", "eval", "lora", "wandb")}
+    outs = {name: folder / name for name in ("resumed", "offload", "eval", "lora", "wandb")}
     resume = os.path.join(six_steps[0], "checkpoints", "step-4")
     (folder / "fake").mkdir()
     (folder / "fake" / "wandb.py").write_text(FAILING_WANDB)
     proc = torchrun_runs(2, [
         trainer_args(outs["resumed"], "--max-steps", "6", "--micro-batch-size", "2", "--resume", resume,
                      "--cache-dir", str(folder / "cache")),
+        trainer_args(outs["offload"], "--max-steps", "6", "--micro-batch-size", "2", "--resume", resume,
+                     "--cpu-offload", "--activation-checkpointing", "--save-every", "1"),
         trainer_args(outs["eval"], *EVAL_ARGS),
-        trainer_args(outs["lora"], *REF_DATA, *REF_LORA, "--cache-dir", str(folder / "ref-cache")),
+        trainer_args(outs["lora"], *REF_DATA, *REF_LORA, "--cpu-offload", "--cache-dir", str(folder / "ref-cache")),
         trainer_args(outs["wandb"], "--max-steps", "2", "--wandb-project", "p")], pythonpath=[str(folder / "fake")])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for name in ("resumed", "eval", "lora"):
+    for name in ("resumed", "offload", "eval", "lora"):
         assert [r["error"] for r in run_records(outs[name], 2)] == [None, None], proc.stderr[-3000:]
     return outs, proc.stderr
 
@@ -1442,6 +1445,20 @@ def test_one_rank_checkpoint_resumes_on_two_ranks_accumulating_micro_batches(six
     assert set(wa) == set(wb) == _hf_export_names()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=ADAM_ATOL)
+
+
+def test_cpu_offload_trains_resumes_and_exports_as_without_it(six_steps, two_ranks, tmp_path):
+    plain, offload = two_ranks[0]["resumed"], two_ranks[0]["offload"]
+    for x, y in zip(read_metrics(plain), read_metrics(offload), strict=True):
+        assert x["step"] == y["step"] and x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-7)
+    wa, wb = load_safetensors(str(plain / "final")), load_safetensors(str(offload / "final"))
+    assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], rtol=0, atol=1e-6) for k in wa)
+    # It resumed a checkpoint saved without it; its own, saved on two ranks, resumes without it on one rank, to
+    # the 1-rank run's end.
+    out = run(tmp_path, "again", *SIX, "--resume", str(offload / "checkpoints" / "step-5"))
+    wc = load_safetensors(os.path.join(out, "final"))
+    assert all(torch.allclose(wc[k], v, rtol=0, atol=ADAM_ATOL) for k, v in load_safetensors(
+        os.path.join(six_steps[0], "final")).items())
 
 
 def test_two_ranks_tokenize_once_on_rank_0_and_share_the_cache(two_ranks, tmp_path, monkeypatch):
