@@ -71,9 +71,9 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: Optimizer
             json.dump({**extra, "world_size": dist.get_world_size()}, f, indent=2)
     dist.barrier()
     os.makedirs(tmp, exist_ok=True)  # a shared file system may show another node rank 0's new folder late
-    device = next(model.parameters()).device  # only this rank's own GPU: a resumed process may see fewer
+    # Only this rank's own GPU (the current one: parameters may be offloaded); a resumed process may see fewer.
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
-           "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+           "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
     torch.save(rng, os.path.join(tmp, f"rng-rank{rank}.pt"))
     state = _trained_state(model, optimizer)
     if background:
@@ -146,9 +146,8 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizer) -> bool:
     rng = torch.load(os.path.join(path, f"rng-rank{dist.get_rank()}.pt"), weights_only=True)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
-    device = next(model.parameters()).device
-    if isinstance(rng["cuda"], torch.Tensor) and device.type == "cuda":  # older checkpoints: a list
-        torch.cuda.set_rng_state(rng["cuda"], device)
+    if isinstance(rng["cuda"], torch.Tensor) and torch.cuda.is_available():  # older checkpoints: a list
+        torch.cuda.set_rng_state(rng["cuda"])  # the current GPU's
     return True
 
 

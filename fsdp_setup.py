@@ -153,6 +153,8 @@ def build_sharded(make_model, full_model: nn.Module | None, mp_policy: MixedPrec
     from rank 0's `full_model` (None elsewhere). Never-changing weights (frozen, LoRA's base) get no float32 master."""
     if config.unsharded_grad_accumulation and mp_policy.reduce_dtype == torch.bfloat16:
         raise ValueError("--unsharded-grad-accumulation sums micro-batch gradients in bf16: use --reduce-dtype fp32")
+    if config.cpu_offload and device.type == "cuda" and mp_policy.param_dtype == torch.float16:
+        raise ValueError("--cpu-offload: fp16's loss scaler is not checked on host gradients; use --precision bf16")
     with torch.device("meta"):
         model = make_model()
     if mp_policy.param_dtype is not None:
@@ -165,10 +167,9 @@ def build_sharded(make_model, full_model: nn.Module | None, mp_policy: MixedPrec
         # After checkpointing, to compile the recomputation too; before FSDP, keeping its hooks out of the graph.
         for block in _blocks(model):
             block.compile(dynamic=True)
-    offload = config.cpu_offload and not frozen
     apply_fsdp(model, mp_policy, device, frozen=frozen, reshard_after_forward=config.reshard_after_forward,
-               replicas=config.replicas, offload=offload)
-    load_from_rank0(model, full_model, device, offload)
+               replicas=config.replicas, offload=config.cpu_offload and not frozen)
+    load_from_rank0(model, full_model, device, config.cpu_offload and not frozen)
     return model
 
 

@@ -38,23 +38,24 @@ class SampleConfig:
 
 
 def sample_completions(model, tokenizer, prompts: list[list[int]], config: SampleConfig, pad_id: int,
-                       seed: int = 0) -> list[dict[str, str]]:
+                       seed: int = 0, device: torch.device | None = None) -> list[dict[str, str]]:
     """generate's completions under `config` as {"prompt", "completion"} texts; a collective like generate."""
     if not prompts:
         return []
     completions = generate(model, prompts, config.sample_max_tokens, tokenizer.eos_token_id, pad_id,
-                           config.sample_temperature, seed)
+                           config.sample_temperature, seed, device)
     return [{"prompt": tokenizer.decode(p, skip_special_tokens=True),
              "completion": tokenizer.decode(c, skip_special_tokens=True)} for p, c in zip(prompts, completions)]
 
 
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int, pad_id: int,
-             temperature: float = 0.0, seed: int = 0) -> list[list[int]]:
+             temperature: float = 0.0, seed: int = 0, device: torch.device | None = None) -> list[list[int]]:
     """Each prompt's completion ids without EOS: greedy at temperature 0, else sampled from a generator seeded by
     `seed`. A collective under torch.distributed, as every FSDP2 forward is one: call it on every rank. Unlike
-    Hugging Face's `generate`, which stops when this rank's sequences end and hangs the others, ranks stop together."""
-    device = next(model.parameters()).device
+    Hugging Face's `generate`, which stops when this rank's sequences end and hangs the others, ranks stop together.
+    device: where forward runs (default: the parameters'; give it when they are offloaded to the host)."""
+    device = device or next(model.parameters()).device
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)  # (B, P) left-padded
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)

@@ -192,7 +192,7 @@ def evaluate_and_sample(run, log: RunLog, step: int, t0: float) -> None:
     """Means over the held-out set, completions of its first --num-samples prompts; both logged, a line shown."""
     if not len(run.eval):
         return
-    objective, micro = run.cfg.objective, run.cfg.batching.micro_batch_size
+    objective, micro, sampling = run.cfg.objective, run.cfg.batching.micro_batch_size, run.cfg.sampling
 
     def stats(idx, batch):  # (B, len(PAIR_METRICS))
         ref_logps = table_rows(run.ref_tables["eval"], idx) if run.ref_tables else None
@@ -200,9 +200,9 @@ def evaluate_and_sample(run, log: RunLog, step: int, t0: float) -> None:
         return pair_stats(pair_loss(logps, ref_logps, batch.response_lengths, objective, run.eval.mean_chosen()))
     with inference(run.policy):  # every rank generates (FSDP needs them all); rank 0 writes
         table = pair_table(run.eval, len(PAIR_METRICS), stats, micro, run.pad_id, run.device)
-        prompts = [run.eval[i]["prompt"] for i in range(min(run.cfg.sampling.num_samples, len(run.eval)))]
-        samples = [{"step": step, **s} for s in sample_completions(run.policy, run.tokenizer, prompts,
-                                                                   run.cfg.sampling, run.pad_id, run.cfg.seed)]
+        prompts = [run.eval[i]["prompt"] for i in range(min(sampling.num_samples, len(run.eval)))]
+        samples = [{"step": step, **s} for s in sample_completions(run.policy, run.tokenizer, prompts, sampling,
+                                                                   run.pad_id, run.cfg.seed, run.device)]
     m = pair_means(table.sum(0), len(run.eval), objective.pairwise)
     if run.demo and samples:  # the demo's ground truth: the share of samples in the chosen (or rejected) style
         m.update(score_samples([s["completion"] for s in samples]))
