@@ -71,9 +71,9 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: Optimizer
             json.dump({**extra, "world_size": dist.get_world_size()}, f, indent=2)
     dist.barrier()
     os.makedirs(tmp, exist_ok=True)  # a shared file system may show another node rank 0's new folder late
-    # Only this rank's own GPU (the current one: parameters may be offloaded); a resumed process may see fewer.
+    # The current GPU's (parameters may be offloaded); a CPU run, which never starts CUDA, does not start it here.
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
-           "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+           "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
     torch.save(rng, os.path.join(tmp, f"rng-rank{rank}.pt"))
     state = _trained_state(model, optimizer)
     if background:
@@ -146,7 +146,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizer) -> bool:
     rng = torch.load(os.path.join(path, f"rng-rank{dist.get_rank()}.pt"), weights_only=True)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
-    if isinstance(rng["cuda"], torch.Tensor) and torch.cuda.is_available():  # older checkpoints: a list
+    if isinstance(rng["cuda"], torch.Tensor) and torch.cuda.is_initialized():  # older checkpoints: a list
         torch.cuda.set_rng_state(rng["cuda"])  # the current GPU's
     return True
 
