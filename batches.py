@@ -8,7 +8,7 @@ Copyable on its own: imports only the standard library and torch.
         mine = rank_share(batch, rank, world_size)                       # this rank's pairs of the step
         for idx, pb in micro_batches(pairs, mine, 8, pad_id, device):    # pb: a PairBatch, (2B, T) rows
             ...
-    for idx, pb in eval_batches(pairs, 8, rank, world_size, pad_id, device):   # every pair once
+    table = pair_table(pairs, 2, fn, 8, pad_id, device)   # fn(idx, pb) -> (B, 2) of every pair once, all ranks
 
 A pair is {"prompt", "chosen", "rejected"}: lists of token ids, each response ending with EOS. `pair_lens` is
 the (N, 3) tensor of their lengths (data.PairTokens.lengths).
@@ -70,13 +70,9 @@ class PairBatch:
     score_targets: torch.Tensor  # (N,) int64: the scored tokens, row after row (response_lengths[r] of row r)
     chosen_scored: int  # how many of the N scored tokens belong to chosen rows
 
-    @property
-    def rows(self) -> int:
-        return len(self.response_lengths)  # 2B
-
     def chosen(self) -> "PairBatch":
         """The first B rows alone (SFT scores the chosen responses only)."""
-        half, n = self.rows // 2, self.chosen_scored
+        half, n = len(self.response_lengths) // 2, self.chosen_scored
         return PairBatch(self.input_ids[:half], self.attention_mask[:half], self.labels[:half],
                          self.response_lengths[:half], self.score_index[:n], self.score_targets[:n], n)
 
@@ -163,21 +159,14 @@ def micro_batches(pairs, idx: list[int], micro_batch_size: int, pad_id: int, dev
         yield mine, collate_pairs([pairs[i] for i in mine], pad_id).to(device)
 
 
-def eval_batches(pairs, micro_batch_size: int, rank: int, world_size: int, pad_id: int, device: torch.device):
-    """(indices, PairBatch) covering every pair once over all ranks, the same number of batches on each
-    (build_eval_batches), shortest first to pad little; `pairs` has .lengths (data.PairTokens). An empty-index batch
-    is a dummy (pair 0) that keeps every rank's FSDP collectives in step: give it zero weight."""
-    for idx in build_eval_batches(len(pairs), micro_batch_size, rank, world_size, pair_lengths(pairs.lengths)):
-        yield idx, collate_pairs([pairs[i] for i in idx or [0]], pad_id).to(device)
-
-
 def pair_table(pairs, width: int, fn, micro_batch_size: int, pad_id: int, device: torch.device) -> torch.Tensor:
-    """(N, width): fn(idx, batch) -> (B, width) for each pair exactly once over the process group's ranks
-    (eval_batches). A collective: every rank calls it, and gets the whole table."""
+    """(N, width): fn(idx, batch) -> (B, width) for each pair exactly once over the process group's ranks, shortest
+    first (build_eval_batches; `pairs`: data.PairTokens). A collective: every rank calls it and gets the whole table."""
     table = torch.zeros(len(pairs), width, device=device)  # each row from one rank, 0 on the others
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    for idx, batch in eval_batches(pairs, micro_batch_size, rank, world_size, pad_id, device):
-        table[idx] = fn(idx, batch)[:len(idx)]  # a rank out of pairs runs a dummy batch, for the collectives
+    for idx in build_eval_batches(len(pairs), micro_batch_size, rank, world_size, pair_lengths(pairs.lengths)):
+        batch = collate_pairs([pairs[i] for i in idx or [0]], pad_id).to(device)  # no idx: a dummy (pair 0)
+        table[idx] = fn(idx, batch)[:len(idx)]  # a rank out of pairs runs the dummy, for the collectives
     dist.all_reduce(table)  # the sum over ranks is exact: one non-zero term per entry
     return table
 

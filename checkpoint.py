@@ -67,8 +67,7 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: Optimizer
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an earlier killed save
         os.makedirs(tmp)
-        with open(os.path.join(tmp, _STATE), "w") as f:
-            json.dump({**extra, "world_size": dist.get_world_size()}, f, indent=2)
+        pathlib.Path(tmp, _STATE).write_text(json.dumps({**extra, "world_size": dist.get_world_size()}, indent=2))
     dist.barrier()
     os.makedirs(tmp, exist_ok=True)  # a shared file system may show another node rank 0's new folder late
     # The current GPU's (parameters may be offloaded); a CPU run, which never starts CUDA, does not start it here.
@@ -102,7 +101,6 @@ def finish_checkpoint(wait: bool = True) -> None:
 
 
 def _publish(root: str, path: str, keep_last: int) -> None:
-    """Rank 0: the complete step-N.tmp becomes step-N, then `latest` points at it; older ones pruned."""
     if dist.get_rank() != 0:
         return
     shutil.rmtree(path, ignore_errors=True)
@@ -122,8 +120,7 @@ def find_checkpoint(root: str, spec: str) -> str:
         pointer = os.path.join(root, "latest")
         if not os.path.isfile(pointer):
             raise ValueError(f"--resume latest: {pointer} does not exist (no checkpoint saved yet)")
-        with open(pointer) as f:
-            spec = os.path.join(root, f.read().strip())
+        spec = os.path.join(root, pathlib.Path(pointer).read_text().strip())
     if not os.path.isfile(os.path.join(spec, _STATE)):
         raise ValueError(f"--resume {spec}: not a complete checkpoint folder (no {_STATE})")
     return spec
@@ -131,8 +128,7 @@ def find_checkpoint(root: str, spec: str) -> str:
 
 def read_trainer_state(path: str) -> dict:
     """The extra dict saved with the checkpoint, plus "world_size"."""
-    with open(os.path.join(path, _STATE)) as f:
-        return json.load(f)
+    return json.loads(pathlib.Path(path, _STATE).read_text())
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizer) -> bool:

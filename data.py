@@ -13,7 +13,6 @@ import json
 import os
 import random
 import re
-import sys
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -22,7 +21,6 @@ import transformers
 
 _CACHE_VERSION = 3  # bump when tokenization changes, so old caches are not reused
 _HH_MARKER = "\n\nAssistant:"
-_PERCENTILES = (50, 90, 99, 100)
 _SPACE = re.compile(r"\s*")
 _DECODER = json.JSONDecoder()
 _CHUNK = 2048  # rows per tokenizer call: batched calls are faster
@@ -84,8 +82,7 @@ def read_rows(spec: str) -> list[dict]:
                 raise DataError(f"{where}: missing field '{field}'")
             if isinstance(value, list):
                 for i, m in enumerate(value):
-                    if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                            and isinstance(m.get("content"), str)):
+                    if not (isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content"))):
                         raise DataError(f"{where}: field '{field}' message {i}: expected {{\"role\": str, "
                                         f"\"content\": str}}, got {json.dumps(m)[:80]}")
                 kinds[field] = "conversational"
@@ -178,12 +175,6 @@ def _load_hub(spec: str):
         return ds[split or "train"] if isinstance(ds, datasets.DatasetDict) else ds
     except Exception as e:  # the datasets package raises many types; all mean "cannot read this spec"
         raise DataError(f"{spec}: cannot load ({type(e).__name__}: {str(e).strip().splitlines()[0]})") from None
-
-
-def split_eval(rows: list, fraction: float) -> tuple[list, list]:
-    """(train, eval): round(fraction * n) rows held out by a fixed shuffle, the same whatever --seed."""
-    held = set(random.Random(0).sample(range(len(rows)), round(fraction * len(rows))))
-    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
 
 
 def _render(row: dict, tokenizer) -> tuple[str, str, str]:
@@ -343,7 +334,7 @@ def _percentiles(values: list[int]) -> dict:
     if not values:
         return {}
     ordered = sorted(values)
-    return {f"p{q}": ordered[min(len(ordered) - 1, len(ordered) * q // 100)] for q in _PERCENTILES}
+    return {f"p{q}": ordered[min(len(ordered) - 1, len(ordered) * q // 100)] for q in (50, 90, 99, 100)}
 
 
 def tokenize_to_cache(config: DataConfig, tokenizer, progress=None) -> str:
@@ -359,8 +350,10 @@ def tokenize_to_cache(config: DataConfig, tokenizer, progress=None) -> str:
         return path
     rows = [row for spec in config.data for row in read_rows(spec)]
     eval_rows = [row for spec in config.eval_data for row in read_rows(spec)]
-    if config.eval_fraction:
-        rows, eval_rows = split_eval(rows, config.eval_fraction)
+    if config.eval_fraction:  # held out by a fixed shuffle, the same whatever --seed
+        held = set(random.Random(0).sample(range(len(rows)), round(config.eval_fraction * len(rows))))
+        eval_rows = [r for i, r in enumerate(rows) if i in held]
+        rows = [r for i, r in enumerate(rows) if i not in held]
     train, train_summary = tokenize_pairs(rows, tokenizer, config, progress)
     evals, eval_summary = tokenize_pairs(eval_rows, tokenizer, config, progress)
     if not len(train):
@@ -439,8 +432,7 @@ def inspect(argv: list[str] | None = None) -> None:
         rows = [row for spec in config.data for row in read_rows(spec)]
         tokens, summary = tokenize_pairs(rows, tokenizer, config)
     except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        parser.exit(2, f"error: {e}\n")
     for i in range(min(args.show, len(tokens))):
         print(json.dumps({k: tokenizer.decode(v) for k, v in tokens[i].items()}, ensure_ascii=False))
     print(json.dumps(summary))

@@ -15,8 +15,7 @@ A Hugging Face causal LM can skip the logits: give it a ScoredHead once, then sc
 References
 - DPO: Rafailov et al. 2023, https://arxiv.org/abs/2305.18290 (Eq. 7).
 - cDPO: Mitchell 2023, https://ericmitchell.ai/cdpo.pdf
-- IPO: Azar et al. 2023, https://arxiv.org/abs/2310.12036 (Eq. 17). Its log-ratios are sums as printed; TRL averages
-  them per token (after checking with the authors), and so does --ipo-logps mean, the default here.
+- IPO: Azar et al. 2023, https://arxiv.org/abs/2310.12036 (Eq. 17, on summed log-probs; see --ipo-logps).
 - Hinge (SLiC): Zhao et al. 2023, https://arxiv.org/abs/2305.10425 (Eq. 2, with delta = 1).
 - Robust DPO: Chowdhury et al. 2024, https://arxiv.org/abs/2403.00409 (Eq. 8).
 - SimPO: Meng et al. 2024, https://arxiv.org/abs/2405.14734 (Eq. 6).
@@ -181,13 +180,12 @@ def _chunk_logits(x, index, weight, start: int, end: int) -> torch.Tensor:
 
 
 class ScoredHead(nn.Linear):
-    """A causal LM's linear output layer that can score response tokens alone (see add_scored_head). Called as
-    usual it returns logits (generation, Hugging Face's own loss). While `score` holds (index, targets), each (N,)
-    as in a batches.PairBatch, it projects only the N hidden states at `index` of its flattened (rows * T, H)
-    input (no prompt or padding), fused into the chunked log-softmax (_TokenLogps), and returns (N,) float32
-    log-probs with no (N, V) logits or logits gradient. Unfused (on a CPU, see FUSED_HEAD_ON_CPU; or with a bias
-    or a config that reshapes logits, such as Gemma 2's soft-capping) it returns (N, V) logits, for the model to
-    finish and response_logps to score."""
+    """A causal LM's linear output layer that can score response tokens alone (see add_scored_head). Called as usual it
+    returns logits (generation, Hugging Face's own loss). While `score` holds (index, targets), each (N,) as in a
+    batches.PairBatch, it projects only the N hidden states at `index` of its flattened (rows * T, H) input (no prompt
+    or padding), fused into the chunked log-softmax (_TokenLogps): (N,) float32 log-probs, no (N, V) logits. Unfused (on
+    a CPU, see FUSED_HEAD_ON_CPU; or with a bias or a config that reshapes logits, such as Gemma 2's soft-capping) it
+    returns (N, V) logits, for the model to finish and response_logps to score."""
 
     def __init__(self, head: nn.Linear, fusable: bool):
         super().__init__(head.in_features, head.out_features, bias=head.bias is not None, device="meta")
@@ -206,8 +204,7 @@ class ScoredHead(nn.Linear):
 
 
 def add_scored_head(model: nn.Module) -> nn.Module:
-    """Replace a Hugging Face causal LM's linear output layer by a ScoredHead, in place (before sharding or
-    adapters); returns the model. Raises ValueError when the output layer is not a linear layer."""
+    """Replace a Hugging Face causal LM's linear output layer by a ScoredHead in place, before sharding or adapters."""
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):
         raise ValueError(f"{type(model).__name__}'s output layer is a {type(head).__name__}, not a linear layer")
@@ -218,9 +215,8 @@ def add_scored_head(model: nn.Module) -> nn.Module:
 
 def response_logps(model, batch) -> torch.Tensor:
     """(rows,) float32 summed log-probs of each row's response tokens, from a causal LM whose output layer is a
-    ScoredHead (added before sharding or adapters). batch: a batches.PairBatch, or anything with its input_ids
-    (rows, T), score_index, score_targets (N,) and response_lengths (rows,). No attention mask: rows are
-    right-padded."""
+    ScoredHead. batch: a batches.PairBatch, or anything with its input_ids (rows, T), score_index, score_targets (N,)
+    and response_lengths (rows,). No attention mask: rows are right-padded."""
     head = model.get_output_embeddings()
     if not isinstance(head, ScoredHead):
         raise ValueError(f"{type(head).__name__} is not a ScoredHead: call loss.add_scored_head(model) first")
@@ -305,10 +301,10 @@ def preference_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: to
         ref_chosen_logps = ref_rejected_logps = torch.zeros_like(policy_chosen_logps)
     pc, pr = policy_chosen_logps.float(), policy_rejected_logps.float()
     rc, rr = ref_chosen_logps.float(), ref_rejected_logps.float()
-    h = (pc - rc) - (pr - rr)  # (B,)
+    c, r = pc - rc, pr - rr  # (B,)
+    h = c - r
     z = beta * h
     eps = label_smoothing
-    c, r = pc - rc, pr - rr
     if loss_type in ("dpo", "dpo_norm"):
         losses = _dpo(z, eps)
     elif loss_type == "ipo":
@@ -353,5 +349,4 @@ def chosen_nll(chosen_logps: torch.Tensor, tokens_per_pair: float) -> torch.Tens
 
 
 def _dpo(z: torch.Tensor, eps: float) -> torch.Tensor:
-    """DPO's (cDPO's with eps > 0) loss of scaled margins z."""
     return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)

@@ -37,9 +37,10 @@ def step_metrics(sums: torch.Tensor, peaks: torch.Tensor, seconds: float, batch_
                  world: int, device: torch.device, precision: str) -> dict:
     """A train row from a step's reduced sums [PAIR_METRICS..., tokens, token slots, FLOPs] and maxima [peak memory]."""
     tokens, slots, flops = sums[-3:].tolist()
+    peak = device_peak_flops(torch.cuda.get_device_name(device), precision) if device.type == "cuda" else None
     return {**pair_means(sums[:-3], batch_size, pairwise), "tokens_per_s": tokens / seconds,
             "pairs_per_s": batch_size / seconds, "padding_efficiency": tokens / slots, "flops": flops,
-            "peak_mem_gb": peaks[0].item(), **mfu(flops, seconds, world, device, precision)}
+            "peak_mem_gb": peaks[0].item(), **({"mfu": flops / seconds / (world * peak)} if peak else {})}
 
 
 def flop_coefficients(model) -> tuple[float, float, float]:
@@ -92,11 +93,6 @@ _PEAK_FLOPS = {"H100 PCIe": (756e12, 51e12), "H100": (989e12, 67e12), "H200": (9
                "A100": (312e12, 19.5e12), "L40S": (362e12, 91.6e12), "A10G": (125e12, 31.2e12), "L4": (121e12, 30.3e12)}
 
 
-def mfu(flops: float, seconds: float, world: int, device: torch.device, precision: str) -> dict:
-    peak = device_peak_flops(torch.cuda.get_device_name(device), precision) if device.type == "cuda" else None
-    return {"mfu": flops / seconds / (world * peak)} if peak else {}
-
-
 def device_peak_flops(name: str, precision: str) -> float | None:
     for fragment, (half, single) in _PEAK_FLOPS.items():
         if fragment in name:
@@ -110,10 +106,8 @@ def _rank0() -> bool:
 
 def sharded_line(model) -> str:
     params = list(model.parameters())
-    line = f"{sum(p.numel() for p in params) / 1e6:.1f}M params"
-    trained = sum(p.numel() for p in params if p.requires_grad)
-    if trained < sum(p.numel() for p in params):
-        line += f" ({trained / 1e6:.2f}M trained)"
+    total, trained = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+    line = f"{total / 1e6:.1f}M params" + (f" ({trained / 1e6:.2f}M trained)" if trained < total else "")
     mesh = params[0].device_mesh.shape  # (ranks,), or HSDP's (replicas, shards)
     hsdp = f" as {mesh[0]} replicas x {mesh[1]} shards (HSDP)" if len(mesh) == 2 else ""
     return f"{line}, {dist.get_world_size()} rank(s){hsdp} on {params[0].device} ({dist.get_backend()})"

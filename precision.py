@@ -46,16 +46,11 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class Precision:
-    name: str
-    """The resolved mode: fp32, bf16 or fp16 (never auto)."""
-    compute_dtype: torch.dtype
-    """Dtype of the gathered parameters, activations and logits."""
-    mp_policy: MixedPrecisionPolicy
-    """FSDP2 policy: gather parameters in compute_dtype, reduce gradients in float32 (or bf16 if asked)."""
-    scaler: torch.amp.GradScaler
-    """Dynamic loss scaler for fp16; disabled otherwise (scale, unscale_ pass through, step is optimizer.step)."""
-    warning: str | None = None
-    """Why this choice will be slow on this machine, for the caller to print once; None when it will not."""
+    name: str  # the resolved mode: fp32, bf16 or fp16 (never auto)
+    compute_dtype: torch.dtype  # of the gathered parameters, activations and logits
+    mp_policy: MixedPrecisionPolicy  # FSDP2's: gather parameters in compute_dtype, reduce gradients in --reduce-dtype
+    scaler: torch.amp.GradScaler  # fp16's dynamic loss scaling; disabled otherwise: scale, unscale_, step pass through
+    warning: str | None = None  # why this choice will be slow on this machine, to print once; None when it will not
 
 
 def resolve_precision(config: PrecisionConfig, device: torch.device) -> Precision:
