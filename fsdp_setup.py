@@ -3,19 +3,20 @@
 Copyable on its own: imports only the standard library and torch.
 
     rank, world, device = init_distributed()        # torchrun's env, or a world of one; nccl + gloo on CUDA
-    model = build_sharded(make_model, full_model_or_None, mp_policy, device, FSDPConfig())
+    model = build_sharded(make_model, weights, mp_policy, device, FSDPConfig())   # each rank reads its own rows
     with inference(model): model(**batch)           # eval, no grad; then the previous mode back, resharded
     path = on_rank0(build_cache)                     # rank 0 works, every rank gets its result (or error)
-    state = gather_full_state_dict(model)            # full weights on rank 0 (ties kept), {} elsewhere
-    save_pretrained(model, "final", torch.bfloat16, tokenizer)   # a Hugging Face folder, written by rank 0
+    for name, tensor, fetch in full_tensors(model, device): fetch()   # one full tensor at a time (ties once)
 """
 
 import contextlib
+import functools
 import itertools
 import json
 import os
 import pickle
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -24,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable import checkpoint
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 _groups = itertools.count(1)  # process groups started in this process
 _rank0_calls = itertools.count(1)  # every rank calls on_rank0 in the same order: the n-th call's key
@@ -147,16 +148,16 @@ def apply_ac(model: nn.Module) -> None:
         checkpoint(block)
 
 
-def build_sharded(make_model, full_model: nn.Module | None, mp_policy: MixedPrecisionPolicy, device: torch.device,
+def build_sharded(make_model, weights: dict[str, torch.Tensor], mp_policy: MixedPrecisionPolicy, device: torch.device,
                   config: FSDPConfig, frozen: bool = False) -> nn.Module:
-    """make_model() on meta, checkpointed (unless frozen: a reference) and compiled as `config` asks, sharded, filled
-    from rank 0's `full_model` (None elsewhere). Never-changing weights (frozen, LoRA's base) get no float32 master."""
+    """make_model() (parameters on the meta device), checkpointed (unless frozen: a reference) and compiled as `config`
+    asks, sharded, each rank's shards read from `weights`. Never-changing weights (frozen, LoRA's base) get no float32
+    master."""
     if config.unsharded_grad_accumulation and mp_policy.reduce_dtype == torch.bfloat16:
         raise ValueError("--unsharded-grad-accumulation sums micro-batch gradients in bf16: use --reduce-dtype fp32")
     if config.cpu_offload and device.type == "cuda" and mp_policy.param_dtype == torch.float16:
         raise ValueError("--cpu-offload: fp16's loss scaler is not checked on host gradients; use --precision bf16")
-    with torch.device("meta"):
-        model = make_model()
+    model = make_model()
     if mp_policy.param_dtype is not None:
         for param in model.parameters():
             if frozen or not param.requires_grad:
@@ -169,7 +170,7 @@ def build_sharded(make_model, full_model: nn.Module | None, mp_policy: MixedPrec
             block.compile(dynamic=True)
     apply_fsdp(model, mp_policy, device, frozen=frozen, reshard_after_forward=config.reshard_after_forward,
                replicas=config.replicas, offload=config.cpu_offload and not frozen)
-    load_from_rank0(model, full_model, device, config.cpu_offload and not frozen)
+    load_sharded(model, weights, device, config.cpu_offload and not frozen)
     return model
 
 
@@ -215,51 +216,52 @@ def inference(model: nn.Module):
         model.reshard()
 
 
-def load_from_rank0(model: nn.Module, full_model: nn.Module | None, device: torch.device, offload: bool = False):
-    """Materialise a sharded meta-device model on `device` (offload: its shards on the host) and fill it from rank
-    0's full CPU model (None on other ranks, which never hold more than one full tensor: each is broadcast)."""
+def load_sharded(model: nn.Module, weights: dict[str, torch.Tensor], device: torch.device, offload: bool = False):
+    """Materialise a sharded meta-device model on `device` (offload: its shards on the host), each rank copying only
+    its own rows of each parameter from `weights` (full CPU tensors by name, e.g. memory-mapped files, any dtype):
+    no rank holds the whole model. Buffers keep the values the model was built with (computed, not saved)."""
+    built = [(module, dict(module._buffers)) for module in model.modules()]
     model.to_empty(device="cpu" if offload else device)
-    state = full_model.state_dict() if full_model is not None else {}
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    # Buffers are not sharded, and non-persistent ones (e.g. rotary inv_freq) are not in the state dict.
-    for name, buf in model.named_buffers():
-        if full_model is not None:
-            buf.copy_(full_model.get_buffer(name))
-        dist.broadcast(buf, src=0)
-    for module in model.modules():  # offloaded: the buffers still go where forward runs
-        module._buffers.update({k: b.to(device) for k, b in module._buffers.items() if b is not None})
+    for module, buffers in built:  # offloaded: the buffers still go where forward runs
+        module._buffers.update({k: b.to(device) for k, b in buffers.items() if b is not None})
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # a tied weight once, under its first name
+            full = weights.get(name)
+            if full is None or full.shape != param.shape:
+                found = "missing" if full is None else f"of shape {list(full.shape)}"
+                raise ValueError(f"--model: its weight {name} of shape {list(param.shape)} is {found} in its files")
+            local = param.to_local() if isinstance(param, DTensor) else param
+            local.copy_(full[_local_rows(param)])
 
 
-def gather_full_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Full state dict on CPU on rank 0 ({} elsewhere), floats cast to `dtype` if given; ties stay one tensor."""
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    first = {}  # id(parameter) -> its first name: gathered over several ranks, each alias got a copy of its own
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if name in state:
-            state[name] = state[first.setdefault(id(param), name)]
-    return _cast(state, dtype) if dtype is not None else state
+def _local_rows(param: torch.Tensor) -> slice:
+    """The rows of the full tensor this rank holds: FSDP2 shards dim 0 as torch.chunk does; all of them if unsharded."""
+    shard = [dim for dim, placement in enumerate(getattr(param, "placements", ())) if placement.is_shard(0)]
+    if not shard:
+        return slice(None)
+    rows, mesh = param.shape[0], param.device_mesh
+    per_rank = -(-rows // mesh.size(shard[0]))
+    start = min(mesh.get_local_rank(shard[0]) * per_rank, rows)
+    return slice(start, min(start + per_rank, rows))
 
 
-def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Floating tensors cast to `dtype`, each once, so aliases stay one tensor."""
-    unique = {id(v): v for v in state.values() if v.is_floating_point()}
-    cast = {i: v.to(dtype) for i, v in unique.items()}
-    return {k: cast.get(id(v), v) for k, v in state.items()}
+def full_tensors(model: nn.Module, device: torch.device) -> list[tuple[str, torch.Tensor, Callable]]:
+    """Each state-dict tensor of `model` once (a tied weight under its first name) as (name, tensor, fetch): fetch()
+    gathers the full tensor on `device`, one at a time, on every rank (a collective: all ranks fetch, in order)."""
+    entries, seen = [], set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            entries.append((name, tensor, functools.partial(_full_tensor, tensor, device)))
+    return entries
 
 
-def save_pretrained(model: nn.Module, folder: str, dtype: torch.dtype, tokenizer=None,
-                    extra: dict | None = None, merge=None) -> None:
-    """A sharded Hugging Face model as a save_pretrained folder in `dtype`, plus save_files(tokenizer, extra).
-    merge: float32 state -> (model to write with, state), e.g. folding LoRA in. Call on every rank; rank 0 writes."""
-    state = gather_full_state_dict(model, torch.float32 if merge else dtype)
-
-    def write():  # rank 0; the others wait on the store, however long the files take
-        writer, weights = merge(state) if merge else (model, state)
-        writer.save_pretrained(folder, state_dict=_cast(weights, dtype))
-        writer.config.dtype = dtype  # save_pretrained records the float32 masters' dtype; record the export's
-        writer.config.save_pretrained(folder)
-        save_files(folder, tokenizer, extra)
-    on_rank0(write, share=False)
+def _full_tensor(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if not isinstance(tensor, DTensor):
+        return tensor.detach().to(device)
+    local = tensor.to_local().detach().to(device)  # offloaded shards gather on the device, where nccl can
+    return DTensor.from_local(local, tensor.device_mesh, tensor.placements, shape=tensor.shape,
+                              stride=tensor.stride()).full_tensor()
 
 
 def save_files(folder: str, tokenizer=None, extra: dict | None = None) -> None:

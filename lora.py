@@ -4,18 +4,18 @@ Copyable on its own: imports only the standard library and torch; peft when adap
 
     model = add_adapters(model, LoraConfig(lora_rank=16), block_class)  # a peft model: only adapters train
     reference = WithoutAdapters(model)                    # the base model: peft's disable_adapter() per call
-    state = gather_adapters(model)                        # the adapters in full on rank 0 (a collective)
-    save_adapters(model, folder, state, base_model=None)  # rank 0: a peft adapter folder
-    hf_model, merged = merge_adapters(model, full_state)  # W + (alpha / rank) B A, under the base model's names
+    save_adapters(model, folder, adapters, base_model=None)  # rank 0: a peft adapter folder
+    weights = initial_weights(model, base_weights)      # by the peft model's names: what to load, adapters too
+    entries = merged_entries(model, entries)              # W + (alpha / rank) B A, under the base model's names
 """
 
+import functools
 import importlib.util
 import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 
 @dataclass
@@ -50,9 +50,9 @@ class LoraConfig:
 
 def add_adapters(model: nn.Module, config: LoraConfig, block_class: type[nn.Module], seed: int = 0) -> nn.Module:
     """`model` (a Hugging Face causal LM) as a peft model with LoRA adapters on config.lora_targets (default: every
-    nn.Linear in a `block_class` module), all else frozen. B starts at zero, so the model computes what it did; A
-    is drawn from a generator seeded by `seed`, the global one untouched. On the meta device nothing is drawn: fill
-    it from a model made here on the CPU."""
+    nn.Linear in a `block_class` module), all else frozen. The adapters are made on the CPU whatever the base's
+    device (the meta device too), as peft initializes them (B zero: the model computes what it did), drawn from a
+    generator seeded by `seed`, the global one untouched."""
     import peft
 
     targets = list(config.lora_targets) or _block_linears(model, block_class)
@@ -63,9 +63,32 @@ def add_adapters(model: nn.Module, config: LoraConfig, block_class: type[nn.Modu
         # peft asks transformers 5 for a renamed attribute; the warning is theirs, not the user's to act on.
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         try:
-            return peft.get_peft_model(model, lora)
+            model = peft.get_peft_model(model, lora)
         except ValueError as e:  # peft's "Target modules {...} not found in the base model", as a one-liner
             raise ValueError(f"--lora-targets {' '.join(targets)}: {str(e).splitlines()[0]}") from None
+        for module in model.modules():
+            if isinstance(module, peft.tuners.lora.LoraLayer):
+                for name in module.adapter_layer_names:  # peft put them on the base's device: made anew here
+                    getattr(module, name).to_empty(device="cpu")
+                module.reset_lora_parameters("default", True)
+    return model
+
+
+def initial_weights(model: nn.Module, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What to load into the peft `model` (from add_adapters, e.g. on the meta device), by its own names: the
+    adapters as drawn, and the `base` model's weights, given by the base model's names."""
+    weights = {}
+    for name, param in model.named_parameters():
+        if ".lora_" in name:
+            weights[name] = param.detach()
+        elif _base_name(name) in base:
+            weights[name] = base[_base_name(name)]
+    return weights
+
+
+def _base_name(name: str) -> str:
+    """A peft model's tensor name as the Hugging Face model under it calls it."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
 def _block_linears(model: nn.Module, block_class: type[nn.Module]) -> list[str]:
@@ -103,14 +126,6 @@ class WithoutAdapters:
         return getattr(self.model, name)
 
 
-def gather_adapters(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The trained weights (the adapters) in full, on CPU, on rank 0 ({} elsewhere); every rank must call.
-    Frozen weights, tied ones included, are neither gathered nor returned."""
-    trained = {name for name, p in model.named_parameters() if p.requires_grad}
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-    return {k: v for k, v in get_model_state_dict(model, options=options).items() if k in trained}
-
-
 def check_mergeable(model: nn.Module) -> None:
     """Raise ValueError unless merge_adapters can fold every adapter into a weight: LoRA on nn.Linear layers only."""
     import peft
@@ -121,21 +136,27 @@ def check_mergeable(model: nn.Module) -> None:
                              f"{name.removeprefix('base_model.model.')} is a {type(module).__name__}")
 
 
-def merge_adapters(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """(the Hugging Face model under the peft `model`, its state dict): `state`, the peft model's full state dict,
-    with each adapted weight W replaced by W + (alpha / rank) B A in float32, under the base model's names."""
+def merged_entries(model: nn.Module, entries: list) -> list:
+    """fsdp_setup.full_tensors' (name, tensor, fetch) of the peft `model` as its Hugging Face model's: each adapted
+    weight W fetched as W + (alpha / rank) B A in float32, under the base model's names; the adapters dropped."""
     import peft
 
-    state = dict(state)
-    for name, module in model.named_modules():
-        if isinstance(module, peft.tuners.lora.LoraLayer):
-            for adapter in module.lora_A:
-                a, b = state.pop(f"{name}.lora_A.{adapter}.weight"), state.pop(f"{name}.lora_B.{adapter}.weight")
-                delta = module.scaling[adapter] * (b.float() @ a.float())  # (out, in)
-                weight = f"{name}.base_layer.weight"
-                state[weight] = state[weight].float() + (delta.T if module.fan_in_fan_out else delta)
-    prefix = "base_model.model."  # PeftModel.base_model (the LoraModel) .model (the Hugging Face model)
-    return model.get_base_model(), {k.removeprefix(prefix).replace(".base_layer.", "."): v for k, v in state.items()}
+    fetches = {name: fetch for name, _, fetch in entries}
+    layers = {f"{name}.base_layer.weight": module for name, module in model.named_modules()
+              if isinstance(module, peft.tuners.lora.Linear)}
+    merged = []
+    for name, tensor, fetch in entries:
+        if name in layers:
+            fetch = functools.partial(_merged_weight, layers[name], name.removesuffix(".base_layer.weight"), fetches)
+        if ".lora_" not in name:
+            merged.append((_base_name(name), tensor, fetch))
+    return merged
+
+
+def _merged_weight(layer: nn.Module, prefix: str, fetches: dict) -> torch.Tensor:
+    a, b = fetches[f"{prefix}.lora_A.default.weight"](), fetches[f"{prefix}.lora_B.default.weight"]()
+    delta = layer.scaling["default"] * (b.float() @ a.float())  # (out, in)
+    return fetches[f"{prefix}.base_layer.weight"]().float() + (delta.T if layer.fan_in_fan_out else delta)
 
 
 def save_adapters(model: nn.Module, folder: str, adapters: dict[str, torch.Tensor], base_model: str | None) -> None:

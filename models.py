@@ -1,16 +1,26 @@
-"""Hugging Face causal LMs to train: the built-in tiny model, or a hub id or folder; loaded whole on one rank.
+"""Hugging Face causal LMs to train: the built-in tiny model, or a hub id or folder, read and written one tensor
+at a time so that no process holds the whole model.
 
 Copyable on its own: imports only the standard library, torch and transformers.
 
     config = load_model_config("tiny", tokenizer)       # small files: on every rank
-    model = load_full_model("tiny", config, seed=0)     # the whole float32 model on CPU: on rank 0
+    model = build_model(config)                         # parameters on the meta device, buffers computed on CPU
+    weights = open_weights("tiny", config, seed=0)      # {name: CPU tensor}; a folder's files memory-mapped
+    save_pretrained("final", model, entries, torch.bfloat16)   # entries: (name, tensor, fetch); rank 0 writes
     key = model_identity("tiny", config, seed=0)        # what fixes its weights, for cache keys
 """
 
+import json
 import os
 
 import torch
+import torch.distributed as dist
 import transformers
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
+           "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}  # safetensors' dtype names
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_FILE_BYTES = 50 * 2**30  # Hugging Face's default largest weight file
 
 
 def load_model_config(name: str, tokenizer=None, max_length: int = 0) -> transformers.PretrainedConfig:
@@ -33,12 +43,105 @@ def load_model_config(name: str, tokenizer=None, max_length: int = 0) -> transfo
     return config
 
 
-def load_full_model(name: str, config, seed: int) -> torch.nn.Module:
-    """The whole float32 model on CPU: pretrained weights, or for "tiny" a random init from `seed`."""
-    if name == "tiny":
-        torch.manual_seed(seed)
+def build_model(config) -> torch.nn.Module:
+    """The model with float32 parameters on the meta device (no memory, no init) and its buffers made for real on
+    the CPU: non-persistent ones such as rotary frequency tables are computed at build time, in no weight file."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and not param.is_meta:  # a tie assigns a parameter already moved: keep it one
+            param = torch.nn.Parameter(param.to("meta"), param.requires_grad)
+        register(module, name, param)
+    torch.nn.Module.register_parameter = on_meta  # each layer's empty CPU tensor moves to meta before its init
+    try:
         return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return transformers.AutoModelForCausalLM.from_pretrained(name, config=config, dtype=torch.float32)
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def tiny_model(config, seed: int) -> torch.nn.Module:
+    """The whole tiny model on the CPU, float32, randomly initialized from `seed`."""
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def find_weights(name: str) -> list[str]:
+    """The local paths of a folder's or hub id's safetensors files, downloaded first if need be; [] for tiny."""
+    if name == "tiny":
+        return []
+    index = transformers.utils.cached_file(name, "model.safetensors.index.json",
+                                           _raise_exceptions_for_missing_entries=False)
+    if index is None:
+        single = transformers.utils.cached_file(name, "model.safetensors", _raise_exceptions_for_missing_entries=False)
+        if single is None:
+            raise ValueError(f"--model {name}: no model.safetensors nor model.safetensors.index.json (weights in "
+                             ".bin files: load the model and save_pretrained it once to convert them)")
+        return [single]
+    with open(index) as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+    return [transformers.utils.cached_file(name, file) for file in files]
+
+
+def open_weights(name: str, config, seed: int) -> dict[str, torch.Tensor]:
+    """Every weight by its name in the files, as CPU tensors: a folder's or hub id's safetensors files memory-mapped
+    in their own dtype (a slice reads only its own bytes), or the tiny model's random init from `seed`."""
+    if name == "tiny":
+        return tiny_model(config, seed).state_dict()
+    weights = {}
+    for path in find_weights(name):
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        data = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)[8 + size:]
+        for key, meta in header.items():
+            if key != "__metadata__":
+                begin, end = meta["data_offsets"]
+                weights[key] = data[begin:end].view(_DTYPES[meta["dtype"]]).view(meta["shape"])
+    return weights
+
+
+def save_pretrained(folder: str, model: torch.nn.Module, entries: list, dtype: torch.dtype) -> None:
+    """A Hugging Face folder of `model` (config, generation config) with the weights of `entries`, floats in `dtype`,
+    as model.safetensors (numbered files and their index past 50 GB), holding one tensor at a time. entries:
+    (name, tensor, fetch): the model's tensor, sharded or not, for its shape and dtype, and fetch() its full value.
+    Every rank calls, as fetch may be a collective; rank 0 writes."""
+    if dist.is_initialized() and dist.get_rank() > 0:
+        for _, _, fetch in entries:  # in rank 0's order
+            fetch()
+        return
+    files, size, total = [[]], 0, 0  # each file's (name, tensor, fetch, dtype written), a new file past 50 GB
+    for name, tensor, fetch in entries:
+        out = dtype if tensor.is_floating_point() else tensor.dtype
+        if files[-1] and size + tensor.numel() * out.itemsize > _FILE_BYTES:
+            files.append([])
+            size = 0
+        files[-1].append((name, tensor, fetch, out))
+        size, total = size + tensor.numel() * out.itemsize, total + tensor.numel() * out.itemsize
+    os.makedirs(folder, exist_ok=True)
+    model.config.dtype = dtype  # not the float32 masters' dtype: the export's
+    model.config.save_pretrained(folder)
+    if model.can_generate():
+        model.generation_config.save_pretrained(folder)
+    weight_map = {}
+    for i, group in enumerate(files):
+        file = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" if len(files) > 1 else "model.safetensors"
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for name, tensor, _, out in group:
+            header[name] = {"dtype": _NAMES[out], "shape": list(tensor.shape),
+                            "data_offsets": [offset, offset + tensor.numel() * out.itemsize]}
+            offset = header[name]["data_offsets"][1]
+            weight_map[name] = file
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+        path = os.path.join(folder, file)
+        with open(path + ".tmp", "wb") as f:
+            f.write(len(text).to_bytes(8, "little") + text)
+            for _, _, fetch, out in group:
+                f.write(fetch().to("cpu", out).contiguous().view(-1).view(torch.uint8).numpy())
+        os.replace(path + ".tmp", path)  # a file is whole or absent
+    if len(files) > 1:
+        with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
 
 def model_identity(name: str, config, seed: int) -> dict:

@@ -28,15 +28,15 @@ from checkpoint import (CheckpointConfig, StopRequest, check_same_run, find_chec
 from data import (DataConfig, PairTokens, key_digest, load_tokenizer, load_tokens, tokenize_to_cache, write_atomic,
                   write_jsonl)
 from demo import demo_files, score_samples
-from fsdp_setup import (FSDPConfig, build_sharded, exit_without_shutdown, find_block_class, inference,
-                        init_distributed, on_rank0, save_files, save_pretrained)
-from lora import (LoraConfig, WithoutAdapters, add_adapters, check_mergeable, gather_adapters, merge_adapters,
+from fsdp_setup import (FSDPConfig, build_sharded, exit_without_shutdown, find_block_class, full_tensors, inference,
+                        init_distributed, on_rank0, save_files)
+from lora import (LoraConfig, WithoutAdapters, add_adapters, check_mergeable, initial_weights, merged_entries,
                   save_adapters)
 from loss import LossConfig, ScoredHead, add_scored_head, pair_logps, pair_loss, response_logps
 from metrics import (PAIR_METRICS, RunLog, batch_counts, eval_line, flop_coefficients, host_memory_by_rank_gb,
                      open_wandb, pair_means, pair_stats, peak_memory_gb, say, sharded_line, show_progress,
                      step_metrics)
-from models import load_full_model, load_model_config, model_identity
+from models import build_model, find_weights, load_model_config, model_identity, open_weights, save_pretrained
 from precision import Precision, PrecisionConfig, resolve_precision, skip_counts
 from samples import SampleConfig, sample_completions
 
@@ -246,8 +246,7 @@ def setup(cfg: Config, world: int, device: torch.device) -> tuple[Run, torch.opt
         say(f"warning: {precision.warning}")
     tokenizer = load_tokenizer(cfg.model)
     model_config = load_model_config(cfg.model, tokenizer, cfg.dataset.max_length)
-    with torch.device("meta"):  # a bad --lora-targets fails here, before rank 0 loads any weights
-        probe = prepare_model(cfg, transformers.AutoModelForCausalLM.from_config(model_config))
+    probe = prepare_model(cfg, build_model(model_config))  # a bad --lora-targets fails here, before any weights
     if cfg.lora.export_merged:
         check_mergeable(probe)
     data_cfg, demo = cfg.dataset, cfg.dataset.data in ((), ("demo",), ("demo:sft",))
@@ -265,20 +264,20 @@ def setup(cfg: Config, world: int, device: torch.device) -> tuple[Run, torch.opt
         saved["config"].setdefault("lora", asdict(LoraConfig()))  # saved before LoRA existed: full fine-tuning
         check_same_run(saved, json.loads(json.dumps(_identity(cfg, data))), _SAME_RUN)  # tuples as saved
 
-    def make():  # the model as trained, built on the meta device; build_sharded fills it
-        return prepare_model(cfg, transformers.AutoModelForCausalLM.from_config(model_config, dtype=torch.float32))
-
-    def load():  # rank 0 alone loads the weights; the others wait outside any collective, however long
-        return prepare_model(cfg, load_full_model(cfg.model, model_config, cfg.seed))
-    full_model = on_rank0(load, share=False)  # None on other ranks
-    policy = build_sharded(make, full_model, precision.mp_policy, device, cfg.fsdp).train(cfg.dropout)  # or eval
+    def make():  # the model as trained, its parameters on the meta device; build_sharded fills them
+        return prepare_model(cfg, build_model(model_config))
+    on_rank0(functools.partial(find_weights, cfg.model), share=False)  # a hub id downloads once; the others wait
+    weights = open_weights(cfg.model, model_config, cfg.seed)  # every rank maps the files and reads its own rows
+    if cfg.lora.lora_rank:
+        weights = initial_weights(probe, weights)  # the base's weights under peft's names, and the adapters
+    policy = build_sharded(make, weights, precision.mp_policy, device, cfg.fsdp).train(cfg.dropout)  # or eval
     reference = None
     online = cfg.objective.ref == "online" and not cfg.objective.reference_free
     if online and cfg.lora.lora_rank:
         reference = WithoutAdapters(policy)
     elif online:
-        reference = build_sharded(make, full_model, precision.mp_policy, device, cfg.fsdp, frozen=True)
-    del full_model
+        reference = build_sharded(make, weights, precision.mp_policy, device, cfg.fsdp, frozen=True)
+    del weights
     pad_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
     run = Run(cfg, device, precision, tokenizer, train, evals, data, demo, steps, saved["step"] if saved else 0,
               pad_id, policy, reference)
@@ -355,15 +354,16 @@ def export_final(run: Run, log: RunLog) -> None:
     cfg, rss = run.cfg, host_memory_by_rank_gb(run.device)
     say("peak host memory during training, GB by rank: " + " ".join(f"{x:.2f}" for x in rss))
     final, dtype = os.path.join(cfg.out_dir, "final"), getattr(torch, cfg.export_dtype)
-    extra = {"train_config.json": asdict(cfg)}
-    if cfg.lora.lora_rank and not cfg.lora.export_merged:
-        adapters = {k: v.to(dtype) for k, v in gather_adapters(run.policy).items()}  # only the adapters are gathered
+    entries = full_tensors(run.policy, run.device)  # every rank gathers one tensor at a time; rank 0 writes
+    if cfg.lora.lora_rank and not cfg.lora.export_merged:  # the adapters alone
+        adapters = {k: fetch().to("cpu", dtype) for k, tensor, fetch in entries if tensor.requires_grad}
         base = None if cfg.model == "tiny" else cfg.model  # the tiny base is a function of --seed
         on_rank0(functools.partial(save_adapters, run.policy, final, adapters, base), share=False)
-        on_rank0(functools.partial(save_files, final, run.tokenizer, extra), share=False)
+    elif cfg.lora.lora_rank:  # --export-merged
+        save_pretrained(final, run.policy.get_base_model(), merged_entries(run.policy, entries), dtype)
     else:
-        merge = functools.partial(merge_adapters, run.policy) if cfg.lora.lora_rank else None
-        save_pretrained(run.policy, final, dtype, run.tokenizer, extra, merge)
+        save_pretrained(final, run.policy, entries, dtype)
+    on_rank0(functools.partial(save_files, final, run.tokenizer, {"train_config.json": asdict(cfg)}), share=False)
     say(f"saved {final}")
     on_rank0(log.close)  # only rank 0 has files (and W&B) to close; the others wait for it
 
