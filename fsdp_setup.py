@@ -224,6 +224,10 @@ def load_sharded(model: nn.Module, weights: dict[str, torch.Tensor], device: tor
     model.to_empty(device="cpu" if offload else device)
     for module, buffers in built:  # offloaded: the buffers still go where forward runs
         module._buffers.update({k: b.to(device) for k, b in buffers.items() if b is not None})
+    persistent = model.state_dict().keys()
+    for name, buf in model.named_buffers():  # a persistent buffer the files hold (a trained bias): theirs
+        if name in weights and name in persistent:
+            buf.copy_(weights[name])
     with torch.no_grad():
         for name, param in model.named_parameters():  # a tied weight once, under its first name
             full = weights.get(name)

@@ -119,6 +119,7 @@ def save_pretrained(folder: str, model: torch.nn.Module, entries: list, dtype: t
         size, total = size + tensor.numel() * out.itemsize, total + tensor.numel() * out.itemsize
     os.makedirs(folder, exist_ok=True)
     model.config.dtype = dtype  # not the float32 masters' dtype: the export's
+    model.config.architectures = [type(model).__name__.removeprefix("FSDP")]  # what vLLM builds; not FSDP2's class
     model.config.save_pretrained(folder)
     if model.can_generate():
         model.generation_config.save_pretrained(folder)

@@ -1024,6 +1024,8 @@ def test_weights_load_from_several_bf16_files_and_export_in_several_files_tensor
     files = sorted(f for f in os.listdir(tmp_path / "out") if f.endswith(".safetensors"))
     assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    with open(tmp_path / "out" / "config.json") as f:
+        assert json.load(f)["architectures"] == ["LlamaForCausalLM"]  # what serving engines build from
     assert exported.dtype == torch.bfloat16 and exported.state_dict().keys() == expected.state_dict().keys()
     for name, tensor in exported.state_dict().items():  # bf16 files, loaded into float32, written as bf16
         assert torch.equal(tensor, expected.state_dict()[name].bfloat16()), name
