@@ -29,11 +29,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import staging
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
 _STATE = "trainer_state.json"
-_pending = {}  # "write": (future, publish) of a background save; "group": its gloo group, made for "world"
+_pending = {}  # "write": (future, publish) of a background save; "group": its gloo group, made for "world"; "stager"
 
 
 @dataclass
@@ -80,7 +81,10 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: Optimizer
             # Its own timeout: the write's last gather waits for the slowest rank's shards to reach the disk.
             _pending.update(world=dist.group.WORLD, group=dist.new_group(backend="gloo", timeout=timedelta(hours=6)))
         # The write ends in a gather: rank 0's future is done once every rank's shards and RNG file are on disk.
-        _pending["write"] = (dcp.async_save(state, checkpoint_id=tmp, process_group=_pending["group"]),
+        if torch.cuda.is_initialized() and "stager" not in _pending:  # pinned host buffers, reused by every save
+            _pending["stager"] = staging.DefaultStager(staging.StagingOptions(True, False, False, False))  # pinned
+        _pending["write"] = (dcp.async_save(state, checkpoint_id=tmp, process_group=_pending["group"],
+                                            async_stager=_pending.get("stager")),
                              functools.partial(_publish, root, path, keep_last))
         return path
     dcp.save(state, checkpoint_id=tmp)

@@ -174,8 +174,11 @@ class _TokenLogps(torch.autograd.Function):
 
 
 def _chunk_logits(x, index, weight, start: int, end: int) -> torch.Tensor:
-    """Logits of scored rows start:end, in x's dtype: (end - start, V)."""
+    """Logits of scored rows start:end, (end - start, V), in x's dtype; through a bf16 or fp16 output layer on CUDA
+    in float32, as cuBLAS accumulates them, not rounded to 8 bits of mantissa first (torch has no such CPU kernel)."""
     rows = x[start:end] if index is None else x[index[start:end]]
+    if weight is not None and rows.is_cuda and rows.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(rows, weight.T, out_dtype=torch.float32)
     return rows if weight is None else rows @ weight.T
 
 

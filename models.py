@@ -10,6 +10,7 @@ Copyable on its own: imports only the standard library, torch and transformers.
     key = model_identity("tiny", config, seed=0)        # what fixes its weights, for cache keys
 """
 
+import glob
 import json
 import os
 
@@ -17,8 +18,9 @@ import torch
 import torch.distributed as dist
 import transformers
 
+# safetensors' dtype names
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
-           "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}  # safetensors' dtype names
+           "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _FILE_BYTES = 50 * 2**30  # Hugging Face's default largest weight file
 
@@ -59,12 +61,6 @@ def build_model(config) -> torch.nn.Module:
         torch.nn.Module.register_parameter = register
 
 
-def tiny_model(config, seed: int) -> torch.nn.Module:
-    """The whole tiny model on the CPU, float32, randomly initialized from `seed`."""
-    torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-
-
 def find_weights(name: str) -> list[str]:
     """The local paths of a folder's or hub id's safetensors files, downloaded first if need be; [] for tiny."""
     if name == "tiny":
@@ -86,7 +82,8 @@ def open_weights(name: str, config, seed: int) -> dict[str, torch.Tensor]:
     """Every weight by its name in the files, as CPU tensors: a folder's or hub id's safetensors files memory-mapped
     in their own dtype (a slice reads only its own bytes), or the tiny model's random init from `seed`."""
     if name == "tiny":
-        return tiny_model(config, seed).state_dict()
+        torch.manual_seed(seed)
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).state_dict()
     weights = {}
     for path in find_weights(name):
         with open(path, "rb") as f:
@@ -95,8 +92,10 @@ def open_weights(name: str, config, seed: int) -> dict[str, torch.Tensor]:
         data = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)[8 + size:]
         for key, meta in header.items():
             if key != "__metadata__":
-                begin, end = meta["data_offsets"]
-                weights[key] = data[begin:end].view(_DTYPES[meta["dtype"]]).view(meta["shape"])
+                (begin, end), dtype = meta["data_offsets"], _DTYPES[meta["dtype"]]
+                # A typed view needs aligned bytes, which writers other than this one need not give: then a copy.
+                piece = data[begin:end].clone() if begin % dtype.itemsize else data[begin:end]
+                weights[key] = piece.view(dtype).view(meta["shape"])
     return weights
 
 
@@ -118,11 +117,12 @@ def save_pretrained(folder: str, model: torch.nn.Module, entries: list, dtype: t
         files[-1].append((name, tensor, fetch, out))
         size, total = size + tensor.numel() * out.itemsize, total + tensor.numel() * out.itemsize
     os.makedirs(folder, exist_ok=True)
+    for old in glob.glob(os.path.join(folder, "model*.safetensors*")):  # an earlier export's, maybe split otherwise
+        os.remove(old)
     model.config.dtype = dtype  # not the float32 masters' dtype: the export's
     model.config.architectures = [type(model).__name__.removeprefix("FSDP")]  # what vLLM builds; not FSDP2's class
     model.config.save_pretrained(folder)
-    if model.can_generate():
-        model.generation_config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)  # a causal LM's
     weight_map = {}
     for i, group in enumerate(files):
         file = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" if len(files) > 1 else "model.safetensors"

@@ -43,7 +43,7 @@ from fsdp_setup import apply_ac, find_block_class, full_tensors
 from lora import LoraConfig, WithoutAdapters, initial_weights
 from loss import add_scored_head, pair_logps, pair_loss, preference_loss, response_logps, sequence_logps
 from metrics import PAIR_METRICS, device_peak_flops
-from models import build_model, load_model_config, open_weights, tiny_model
+from models import build_model, load_model_config, open_weights
 from precision import PrecisionConfig, resolve_precision
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -70,6 +70,12 @@ def tiny_config():
     """The trainer's default model's config and tokenizer."""
     tokenizer = load_tokenizer("tiny")
     return load_model_config("tiny", tokenizer), tokenizer
+
+
+def tiny_model(config, seed):
+    """The tiny model as the trainer initializes it (models.open_weights), whole, on CPU."""
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def tiny(seed):
@@ -393,6 +399,34 @@ def test_batch_layout_right_pads_rows_and_indexes_exactly_the_response_tokens():
     scored[batch.score_index] = True
     noisy = torch.where(scored.view(4, width, 1), logits, torch.randn(logits.shape, generator=g) * 50)
     torch.testing.assert_close(sequence_logps(noisy, batch.labels), base, rtol=0, atol=0)
+
+
+@needs_cuda_bf16
+def test_the_fused_head_on_cuda_takes_float32_logits_from_a_bf16_output_layer():
+    """Logits of 16-32 rounded to bf16 move by up to 0.0625: the per-token log-probs must come from float32 logits."""
+    from loss import _TokenLogps
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(512, 256, device="cuda", generator=g).bfloat16()  # (N, H) hidden states
+    w = (torch.randn(4096, 256, device="cuda", generator=g) * 1.5).bfloat16()  # (V, H): logits of about +-24
+    targets = torch.randint(0, 4096, (512,), device="cuda", generator=g)
+    oracle = (h.double() @ w.double().T).log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)  # (N,)
+    rounded = (h @ w.T).double().log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)  # the bf16 logits' error
+    error = (_TokenLogps.apply(h, None, targets, w).double() - oracle).abs().max().item()
+    print(f"per-token log-prob error: {error:.2e} float32 logits, {(rounded - oracle).abs().max().item():.2e} bf16")
+    assert error < 1e-3 < (rounded - oracle).abs().max().item()
+
+
+def test_weight_files_at_unaligned_offsets_read_right(tmp_path):
+    """Other writers need not align a tensor to its item size; a typed view needs it, so such a tensor is copied."""
+    tensors = {"a": torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16),
+               "b": torch.tensor([7, -9], dtype=torch.int64)}
+    header = {"a": {"dtype": "BF16", "shape": [3], "data_offsets": [0, 6]},
+              "b": {"dtype": "I64", "shape": [2], "data_offsets": [6, 22]}}  # b at byte 6: not a multiple of 8
+    text = json.dumps(header).encode() + b" " * (-len(json.dumps(header)) % 8)
+    data = b"".join(t.view(torch.uint8).numpy().tobytes() for t in tensors.values())
+    (tmp_path / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + data)
+    read = open_weights(str(tmp_path), None, 0)
+    assert all(torch.equal(read[k], v) and read[k].dtype == v.dtype for k, v in tensors.items())
 
 
 @pytest.mark.parametrize("head", ["fused", "with_bias"])
@@ -1026,9 +1060,17 @@ def test_weights_load_from_several_bf16_files_and_export_in_several_files_tensor
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     with open(tmp_path / "out" / "config.json") as f:
         assert json.load(f)["architectures"] == ["LlamaForCausalLM"]  # what serving engines build from
-    assert exported.dtype == torch.bfloat16 and exported.state_dict().keys() == expected.state_dict().keys()
+    names = expected.state_dict().keys()
+    assert exported.dtype == torch.bfloat16 and exported.state_dict().keys() == names
     for name, tensor in exported.state_dict().items():  # bf16 files, loaded into float32, written as bf16
         assert torch.equal(tensor, expected.state_dict()[name].bfloat16()), name
+    monkeypatch.setattr(models, "_FILE_BYTES", 2**40)  # exported again into the same folder, as one file
+    with world_of_one():
+        model = fsdp_setup.build_sharded(functools.partial(build_model, config), open_weights(str(tmp_path / "out"),
+                                         config, 0), mp_policy, CPU, train_dpo.FSDPConfig())
+        models.save_pretrained(str(tmp_path / "out"), model, full_tensors(model, CPU), torch.bfloat16)
+    assert sorted(f for f in os.listdir(tmp_path / "out") if f.startswith("model")) == ["model.safetensors"]
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict().keys() == names
 
 
 def test_a_folder_without_the_weights_the_model_needs_fails_with_one_line(tmp_path):
