@@ -1646,6 +1646,34 @@ def test_background_saves_work_in_one_process_group_after_another(tmp_path):
         assert checkpoint.read_trainer_state(str(tmp_path / str(i) / "step-1")) == {"step": 1, "world_size": 1}
 
 
+def test_background_saves_reuse_the_staging_buffers_and_each_holds_its_own_step(tmp_path, monkeypatch):
+    """The GPU path's one stager (its pinning aside: no CUDA here): the second save copies into the first one's
+    host buffers, and neither checkpoint holds the other's weights."""
+    import checkpoint
+    from torch.distributed.checkpoint import staging
+    stager = staging.DefaultStager(staging.StagingOptions(False, False, False, False))
+    monkeypatch.setitem(checkpoint._pending, "stager", stager)
+    expected = []
+    with world_of_one():
+        model, _, _ = sharded_tiny(seed=0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        for step in (1, 2):
+            model(input_ids=torch.tensor([[5, 6, 7]])).logits.sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            expected.append({k: v.clone() for k, v in full_state(model).items()})  # on CPU: views of the weights
+            checkpoint.save_checkpoint(str(tmp_path), step, model, optimizer, {"step": step}, background=True)
+            if step == 1:
+                staged = {id(s) for s in stager._state_dict_stager._cached_storage_mapping.values()}
+        checkpoint.finish_checkpoint()
+        assert {id(s) for s in stager._state_dict_stager._cached_storage_mapping.values()} == staged
+        for step in (1, 2):
+            fresh, _, _ = sharded_tiny(seed=1)
+            checkpoint.load_checkpoint(str(tmp_path / f"step-{step}"), fresh, torch.optim.AdamW(fresh.parameters()))
+            loaded = full_state(fresh)
+            assert all(torch.equal(loaded[k], v) for k, v in expected[step - 1].items()), step
+
+
 def test_hsdp_two_replicas_of_two_shards_match_one_rank_and_resume_as_fsdp_on_four(six_steps, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         run(tmp_path, "one", "--replicas", "2")
