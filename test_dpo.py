@@ -416,6 +416,24 @@ def test_the_fused_head_on_cuda_takes_float32_logits_from_a_bf16_output_layer():
     assert error < 1e-3 < (rounded - oracle).abs().max().item()
 
 
+def test_each_rank_reads_the_rows_fsdp2_gives_it_uneven_and_hsdp_too():
+    """fsdp_setup._local_rows against torch.chunk, which FSDP2 shards dim 0 with (the last ranks may get fewer rows
+    or none), on an FSDP mesh and on HSDP's (replicas, shards) one, whose replicas hold the same rows."""
+    from types import SimpleNamespace
+    from torch.distributed.tensor import Replicate, Shard
+    for rows, shards in ((10, 4), (5, 4), (3, 4), (8, 2), (7, 1)):
+        for replica in (None, 0, 1):
+            for rank in range(shards):
+                sizes = (shards,) if replica is None else (2, shards)
+                coords = (rank,) if replica is None else (replica, rank)
+                mesh = SimpleNamespace(size=sizes.__getitem__, get_local_rank=coords.__getitem__)
+                placements = (Shard(0),) if replica is None else (Replicate(), Shard(0))
+                param = SimpleNamespace(placements=placements, device_mesh=mesh, shape=(rows, 3))
+                expected = list(torch.arange(rows).chunk(shards)) + [torch.arange(0)] * shards
+                assert torch.equal(torch.arange(rows)[fsdp_setup._local_rows(param)], expected[rank])
+    assert fsdp_setup._local_rows(torch.zeros(4, 2)) == slice(None)  # not sharded: every row
+
+
 def test_weight_files_at_unaligned_offsets_read_right(tmp_path):
     """Other writers need not align a tensor to its item size; a typed view needs it, so such a tensor is copied."""
     tensors = {"a": torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16),
