@@ -127,7 +127,7 @@ class WithoutAdapters:
 
 
 def check_mergeable(model: nn.Module) -> None:
-    """Raise ValueError unless merge_adapters can fold every adapter into a weight: LoRA on nn.Linear layers only."""
+    """Raise ValueError unless merged_entries can fold every adapter into a weight: LoRA on nn.Linear layers only."""
     import peft
 
     for name, module in model.named_modules():

@@ -115,7 +115,8 @@ def save_pretrained(folder: str, model: torch.nn.Module, entries: list, dtype: t
             files.append([])
             size = 0
         files[-1].append((name, tensor, fetch, out))
-        size, total = size + tensor.numel() * out.itemsize, total + tensor.numel() * out.itemsize
+        size += tensor.numel() * out.itemsize
+        total += tensor.numel() * out.itemsize
     os.makedirs(folder, exist_ok=True)
     for old in glob.glob(os.path.join(folder, "model*.safetensors*")):  # an earlier export's, maybe split otherwise
         os.remove(old)
