@@ -30,7 +30,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import staging
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 from torch.optim import Optimizer
 
 _STATE = "trainer_state.json"
@@ -57,10 +58,11 @@ class CheckpointConfig:
 
 
 def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: Optimizer, extra: dict,
-                    keep_last: int = 0, background: bool = False) -> str:
+                    keep_last: int = 0, background: bool = False, reference: nn.Module | None = None) -> str:
     """Collective: write root/step-{step} (as step-N.tmp, renamed once complete), then point root/latest at it, so a run
     killed mid-save resumes from the previous one; keep the newest keep_last (0: all). background=True returns once the
-    shards are staged in host memory: a thread writes them over its own gloo group; finish_checkpoint completes it."""
+    shards are staged in host memory: a thread writes them over its own gloo group; finish_checkpoint completes it.
+    reference: a frozen model that changes in training (TR-DPO's), saved whole beside the model."""
     finish_checkpoint()  # at most one write in flight: its staged copy is the memory async saving costs
     path = os.path.join(root, f"step-{step}")
     tmp = path + ".tmp"
@@ -75,7 +77,7 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: Optimizer
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
     torch.save(rng, os.path.join(tmp, f"rng-rank{rank}.pt"))
-    state = _trained_state(model, optimizer)
+    state = _trained_state(model, optimizer, reference)
     if background:
         if _pending.get("world") is not dist.group.WORLD:  # once per process group, on every rank (a collective)
             # Its own timeout: the write's last gather waits for the slowest rank's shards to reach the disk.
@@ -135,12 +137,15 @@ def read_trainer_state(path: str) -> dict:
     return json.loads(pathlib.Path(path, _STATE).read_text())
 
 
-def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizer) -> bool:
-    """Load `path` into the sharded model and optimizer, and this rank's RNGs unless the world size changed (False)."""
-    state = _trained_state(model, optimizer)
+def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizer, reference: nn.Module | None = None) -> bool:
+    """Load `path` into the sharded model and optimizer (and reference, as saved), and this rank's RNGs unless the
+    world size changed (False)."""
+    state = _trained_state(model, optimizer, reference)
     dcp.load(state, checkpoint_id=path)  # fails naming any key of `state` the checkpoint lacks
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=StateDictOptions(strict=False))  # frozen weights are the model's own, not loaded
+    if reference is not None:
+        set_model_state_dict(reference, state["reference"])
     if read_trainer_state(path)["world_size"] != dist.get_world_size():
         return False
     rng = torch.load(os.path.join(path, f"rng-rank{dist.get_rank()}.pt"), weights_only=True)
@@ -151,11 +156,15 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizer) -> bool:
     return True
 
 
-def _trained_state(model: nn.Module, optimizer: Optimizer) -> dict:
-    """The model's state less frozen weights (LoRA's base: a resumed run has them already), and the optimizer's."""
+def _trained_state(model: nn.Module, optimizer: Optimizer, reference: nn.Module | None) -> dict:
+    """The model's state less frozen weights (LoRA's base: a resumed run has them already), the optimizer's, and
+    the reference's when given."""
     frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
-    return {"model": {k: v for k, v in model_state.items() if k not in frozen}, "optim": optim_state}
+    state = {"model": {k: v for k, v in model_state.items() if k not in frozen}, "optim": optim_state}
+    if reference is not None:
+        state["reference"] = get_model_state_dict(reference)
+    return state
 
 
 def check_same_run(saved: dict, current: dict, fixed: dict[str, str]) -> None:

@@ -5,6 +5,7 @@ Copyable on its own: imports only the standard library.
     pairs = demo_pairs("train")    # 2048 {"prompt", "chosen", "rejected"} pairs, the same on every machine
     score_completion(" The red kettle is great and works well. 5/5")   # +1: the chosen style
     files = demo_files("runs/cache", write_jsonl)     # {"train", "eval", "sft"}: JSON Lines files, written once
+    dataset, demo = demo_config(data.DataConfig(), write_jsonl)   # the config naming those files, True
 
 Chosen answers praise the product and end "5/5"; rejected answers pan it and end "1/5". The held-out split
 reviews products never seen in training, so a policy must learn the style, not memorise items.
@@ -13,6 +14,7 @@ reviews products never seen in training, so a policy must learn the style, not m
 import os
 import random
 import re
+from dataclasses import replace
 
 _ADJECTIVES = ["red", "blue", "green", "old", "new", "small", "big", "cheap", "shiny", "wooden", "steel",
                "plastic", "heavy", "light", "quiet", "loud"]
@@ -65,3 +67,14 @@ def demo_files(folder: str, write_jsonl) -> dict[str, str]:
         if not os.path.exists(path):
             write_jsonl(path, demo_pairs(split))
     return files
+
+
+def demo_config(dataset, write_jsonl) -> tuple:
+    """(config, is the demo) for a data.DataConfig: one that names data comes back as it is, with False; the demo's
+    (no --data, demo or demo:sft) comes back naming the demo's files in its cache_dir, written there once, with True."""
+    if dataset.data not in ((), ("demo",), ("demo:sft",)):
+        return dataset, False
+    files = demo_files(dataset.cache_dir, write_jsonl)
+    evals = dataset.eval_data or (() if dataset.eval_fraction else (files["eval"],))
+    split = "sft" if dataset.data == ("demo:sft",) else "train"
+    return replace(dataset, data=(files[split],), eval_data=evals), True

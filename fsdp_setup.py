@@ -7,6 +7,7 @@ Copyable on its own: imports only the standard library and torch.
     with inference(model): model(**batch)           # eval, no grad; then the previous mode back, resharded
     path = on_rank0(build_cache)                     # rank 0 works, every rank gets its result (or error)
     for name, tensor, fetch in full_tensors(model, device): fetch()   # one full tensor at a time (ties once)
+    mix_into(reference, policy, alpha=0.6)            # TR-DPO: reference = 0.6 policy + 0.4 reference, shard by shard
 """
 
 import contextlib
@@ -258,6 +259,18 @@ def full_tensors(model: nn.Module, device: torch.device) -> list[tuple[str, torc
             seen.add(id(tensor))
             entries.append((name, tensor, functools.partial(_full_tensor, tensor, device)))
     return entries
+
+
+@torch.no_grad()
+def mix_into(target: nn.Module, source: nn.Module, alpha: float) -> None:
+    """target = alpha source + (1 - alpha) target, each rank on its own shards of two models sharded alike, in target's
+    dtype (TR-DPO's reference sync; as TRL: target.mul_(1 - alpha).add_(source, alpha=alpha))."""
+    for (name, mine), (other, theirs) in zip(target.named_parameters(), source.named_parameters(), strict=True):
+        if name != other:
+            raise ValueError(f"mix_into: {name} meets {other}: the two models must have the same parameters")
+        local = mine.to_local() if isinstance(mine, DTensor) else mine
+        source_local = theirs.to_local() if isinstance(theirs, DTensor) else theirs
+        local.mul_(1 - alpha).add_(source_local.to(local.device), alpha=alpha)  # an offloaded source: from the host
 
 
 def _full_tensor(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -12,7 +12,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Annotated, Literal
 
 import safetensors.torch
@@ -27,9 +27,9 @@ from checkpoint import (CheckpointConfig, StopRequest, check_same_run, find_chec
                         load_checkpoint, read_trainer_state, save_checkpoint)
 from data import (DataConfig, PairTokens, key_digest, load_tokenizer, load_tokens, tokenize_to_cache, write_atomic,
                   write_jsonl)
-from demo import demo_files, score_samples
+from demo import demo_config, score_samples
 from fsdp_setup import (FSDPConfig, build_sharded, exit_without_shutdown, find_block_class, full_tensors, inference,
-                        init_distributed, on_rank0, save_files)
+                        init_distributed, mix_into, on_rank0, save_files)
 from lora import (LoraConfig, WithoutAdapters, add_adapters, check_mergeable, initial_weights, merged_entries,
                   save_adapters)
 from loss import LossConfig, ScoredHead, add_scored_head, pair_logps, pair_loss, response_logps
@@ -74,22 +74,28 @@ class Config:
     """Keep the model's dropout on in the policy. Off (as in TRL): it makes the log-ratios noisy from step 1."""
 
     def __post_init__(self):
+        if self.lr is None and self.model == "tiny":  # trained from scratch
+            self.lr = 1e-3
+        elif self.lr is None:  # the DPO paper's; with LoRA, TRL's LoRA DPO example's
+            self.lr = 5e-6 if self.lora.lora_rank else 5e-7
+        self.objective = replace(self.objective, loss=self.objective.losses, loss_weights=self.objective.weights)
         if min(self.warmup_steps, self.weight_decay) < 0:
             raise ValueError("--warmup-steps and --weight-decay must be >= 0")
         if self.wandb_project and importlib.util.find_spec("wandb") is None:  # the one check; imported lazily
             raise ValueError("--wandb-project needs the wandb package: pip install wandb")
+        if self.lora.lora_rank and self.objective.sync_ref_model:
+            raise ValueError("--sync-ref-model: with --lora-rank the reference is the base model, which never changes")
         if self.lora.lora_dropout and not self.dropout:  # the policy trains in eval mode without --dropout
             raise ValueError("--lora-dropout needs --dropout: dropout runs only in train mode, which --dropout turns "
                              "on (the model's own dropout too, where its config has any)")
 
 
 # Resuming with any of these changed is refused; all else may change (--max-steps, --lr, precision, ...).
+_OBJECTIVE = [f.name for f in fields(LossConfig) if f.name != "ref"]  # every option of the loss (not --ref's mode)
 _SAME_RUN = {name: "--" + name.replace("_", "-") for name in (
     "model", "data", "seed", "eval_fraction", "batch_size", "max_length", "max_prompt_length", "truncation",
-    "group_by_length", "loss", "beta", "label_smoothing", "simpo_gamma", "discopop_tau", "sft_weight", "lora_rank",
-    "lora_alpha", "lora_targets")}
-_SAME_RUN.update(data_sha256="the tokenized --data (its content, cut by this code)",
-                 average_logps="mean log-probs (--ipo-logps)")
+    "group_by_length", "lora_rank", "lora_alpha", "lora_targets", *_OBJECTIVE)}
+_SAME_RUN["data_sha256"] = "the tokenized --data (its content, cut by this code)"
 
 
 # ---------------------------------------------------------------------------------------------- the loop
@@ -121,16 +127,15 @@ def train(cfg: Config, rank: int, world: int, device: torch.device) -> int:
         step_t0 = time.perf_counter()
         batch = run.steps(step)  # the global batch: pair indices
         mine = rank_share(batch, rank, world)
-        # The NLL (sft, --sft-weight) is a token mean over the whole global batch, wherever a pair runs.
-        tokens_per_pair = run.train.mean_chosen(batch) if objective.nll_weight else None
+        tokens_per_pair = run.train.mean_chosen(batch) if "sft" in objective.losses else None  # sft: a global mean
         sums = torch.zeros(len(PAIR_METRICS) + 3, device=device)  # pair metrics; tokens, token slots, FLOPs
         for i, (idx, micro) in enumerate(micro_batches(run.train, mine, micro_size, run.pad_id, device)):
             # By default each micro-batch's gradient is reduce-scattered at once, so no rank holds a full one.
             last = (i + 1) * micro_size >= len(mine)
             policy.set_requires_gradient_sync(last or not cfg.fsdp.unsharded_grad_accumulation)
             ref_logps = table_rows(run.ref_tables["train"], idx) if run.ref_tables else None  # --ref precompute
-            logps, ref_logps = pair_logps(policy, run.reference, micro, objective.pairwise, ref_logps)  # (2B,) each
-            out = pair_loss(logps, ref_logps, micro.response_lengths, objective, tokens_per_pair)  # (B,) each
+            logps, ref_logps, wpo = pair_logps(policy, run.reference, micro, objective, ref_logps)  # (2B,) each
+            out = pair_loss(logps, ref_logps, micro.response_lengths, objective, tokens_per_pair, wpo)  # (B,) each
             loss = out["losses"].sum() / len(mine)  # FSDP averages over ranks: the mean over the global batch
             scaler.scale(loss).backward()
             sums += torch.cat([pair_stats(out).sum(0), counts(micro)])
@@ -146,6 +151,8 @@ def train(cfg: Config, rank: int, world: int, device: torch.device) -> int:
             scaler.step(optimizer)
         scaler.update()  # fp16: an overflow on any rank lowers the scale on all (found_inf is reduced over shards)
         optimizer.zero_grad(set_to_none=True)
+        if objective.sync_ref_model and (step + 1) % objective.ref_model_sync_steps == 0:  # TR-DPO
+            mix_into(run.reference, policy, objective.ref_model_mixup_alpha)
         metrics = step_metrics(sums, peaks, time.perf_counter() - step_t0, cfg.batching.batch_size,
                                objective.pairwise, world, device, run.precision.name)
         row = {"step": step + 1, "split": "train", **metrics, "grad_norm": grad_norm.item(), "lr": lr,
@@ -196,8 +203,8 @@ def evaluate_and_sample(run, log: RunLog, step: int, t0: float) -> None:
 
     def stats(idx, batch):  # (B, len(PAIR_METRICS))
         ref_logps = table_rows(run.ref_tables["eval"], idx) if run.ref_tables else None
-        logps, ref_logps = pair_logps(run.policy, run.reference, batch, objective.pairwise, ref_logps)
-        return pair_stats(pair_loss(logps, ref_logps, batch.response_lengths, objective, run.eval.mean_chosen()))
+        logps, ref_logps, wpo = pair_logps(run.policy, run.reference, batch, objective, ref_logps)
+        return pair_stats(pair_loss(logps, ref_logps, batch.response_lengths, objective, run.eval.mean_chosen(), wpo))
     with inference(run.policy):  # every rank generates (FSDP needs them all); rank 0 writes
         table = pair_table(run.eval, len(PAIR_METRICS), stats, micro, run.pad_id, run.device)
         prompts = [run.eval[i]["prompt"] for i in range(min(sampling.num_samples, len(run.eval)))]
@@ -213,7 +220,7 @@ def evaluate_and_sample(run, log: RunLog, step: int, t0: float) -> None:
 # ---------------------------------------------------------------------------------------------- setup
 @dataclass
 class Run:
-    """What setup decides and builds, once. cfg is a resolved copy (lr, micro-batch size)."""
+    """What setup decides and builds, once. cfg is a resolved copy (the micro-batch size)."""
     cfg: Config
     device: torch.device
     precision: Precision
@@ -235,12 +242,7 @@ def setup(cfg: Config, world: int, device: torch.device) -> tuple[Run, torch.opt
     frozen reference, sharded alike, from weights rank 0 alone loads (LoRA: the reference is the base, adapters
     off), or precompute its log-probs; then AdamW over the float32 master weights that train, as saved when
     resuming. Raises ValueError, naming the flag or the file, for anything the user must fix."""
-    lr = cfg.lr
-    if lr is None and cfg.model == "tiny":  # trained from scratch
-        lr = 1e-3
-    elif lr is None:  # the DPO paper's; with LoRA, TRL's LoRA DPO example's
-        lr = 5e-6 if cfg.lora.lora_rank else 5e-7
-    cfg = replace(cfg, lr=lr, batching=cfg.batching.resolve(world))
+    cfg = replace(cfg, batching=cfg.batching.resolve(world))
     precision = resolve_precision(cfg.mixed_precision, device)
     if precision.warning:
         say(f"warning: {precision.warning}")
@@ -249,12 +251,7 @@ def setup(cfg: Config, world: int, device: torch.device) -> tuple[Run, torch.opt
     probe = prepare_model(cfg, build_model(model_config))  # a bad --lora-targets fails here, before any weights
     if cfg.lora.export_merged:
         check_mergeable(probe)
-    data_cfg, demo = cfg.dataset, cfg.dataset.data in ((), ("demo",), ("demo:sft",))
-    if demo:  # the demo, as JSON Lines files rank 0 writes once, takes the same path as user data
-        files = on_rank0(functools.partial(demo_files, cfg.dataset.cache_dir, write_jsonl))
-        evals = cfg.dataset.eval_data or (() if cfg.dataset.eval_fraction else (files["eval"],))
-        data_cfg = replace(cfg.dataset, data=(files["sft" if cfg.dataset.data == ("demo:sft",) else "train"],),
-                           eval_data=evals)
+    data_cfg, demo = on_rank0(functools.partial(demo_config, cfg.dataset, write_jsonl))  # the demo's files: as any data
     train, evals, data = load_tokens(on_rank0(functools.partial(tokenize_to_cache, data_cfg, tokenizer, say)))
     steps = StepBatches(train.lengths, cfg.batching, cfg.seed)  # refuses less data than one batch, before loading
     saved = None
@@ -289,17 +286,17 @@ def setup(cfg: Config, world: int, device: torch.device) -> tuple[Run, torch.opt
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr,
                                   weight_decay=cfg.weight_decay, fused=True)
     if saved:
-        same_rng = load_checkpoint(saved["path"], policy, optimizer)
+        rngs = load_checkpoint(saved["path"], policy, optimizer, reference if cfg.objective.sync_ref_model else None)
         if saved["scaler"]:
             precision.scaler.load_state_dict(saved["scaler"])  # a pass-through scaler ignores it
-        note = "" if same_rng else f" (saved on {saved['world_size']} ranks: random generators not restored)"
+        note = "" if rngs else f" (saved on {saved['world_size']} ranks: random generators not restored)"
         say(f"resumed from {saved['path']} at step {run.start_step}{note}")
     return run, optimizer
 
 
 def _identity(cfg: Config, data: dict) -> dict:
     """What a checkpoint records of its run, for check_same_run: the config and what it implies."""
-    return {"config": asdict(cfg), "data_sha256": data["train_sha256"], "average_logps": cfg.objective.average_logps}
+    return {"config": asdict(cfg), "data_sha256": data["train_sha256"]}
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -318,14 +315,16 @@ def load_or_precompute_ref(run: Run, model_config) -> dict[str, torch.Tensor]:
     """--ref precompute's {"train", "eval"}: (N, 2) [chosen, rejected] summed log-probs of the untrained policy
     (LoRA: adapters off), cached in {cache_dir}/ref-<hash>.safetensors, keyed by all they depend on."""
     key = {"model": on_rank0(functools.partial(model_identity, run.cfg.model, model_config, run.cfg.seed)),
-           "data": run.data["fingerprint"], "precision": run.precision.name}  # rank 0's: nodes' file times differ
+           "data": run.data["fingerprint"], "precision": run.precision.name,  # rank 0's: nodes' file times differ
+           "ld_alpha": run.cfg.objective.ld_alpha}
     path = os.path.join(run.cfg.dataset.cache_dir, f"ref-{key_digest(key)[:20]}.safetensors")
     if on_rank0(functools.partial(os.path.exists, path)):
         say(f"reference log-probs: {path} (cached)")
         return safetensors.torch.load_file(path, device=str(run.device))
     reference = WithoutAdapters(run.policy) if run.cfg.lora.lora_rank else run.policy
+    ld = run.cfg.objective.ld_alpha
     with inference(run.policy):
-        tables = {split: pair_table(pairs, 2, lambda idx, batch: response_logps(reference, batch).view(2, -1).T,
+        tables = {split: pair_table(pairs, 2, lambda idx, batch: response_logps(reference, batch, ld).view(2, -1).T,
                                     run.cfg.batching.micro_batch_size, run.pad_id, run.device)
                   for split, pairs in (("train", run.train), ("eval", run.eval))}  # (B, 2) a batch
     tensors = {k: v.cpu() for k, v in tables.items()}
@@ -344,8 +343,9 @@ def save(run: Run, optimizer, step: int) -> str:
     extra = {"step": step, **_identity(cfg, run.data), "data_position": position,
              "schedule": {"lr": cfg.lr, "warmup_steps": cfg.warmup_steps, "total_steps": run.steps.total_steps},
              "scaler": scaler.state_dict() if scaler.is_enabled() else None}
+    synced = run.reference if cfg.objective.sync_ref_model else None  # TR-DPO's reference changes: saved too
     return save_checkpoint(os.path.join(cfg.out_dir, "checkpoints"), step, run.policy, optimizer, extra,
-                           keep_last=cfg.checkpoints.keep_last, background=cfg.checkpoints.async_save)
+                           cfg.checkpoints.keep_last, cfg.checkpoints.async_save, synced)
 
 
 def export_final(run: Run, log: RunLog) -> None:
