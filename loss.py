@@ -381,7 +381,7 @@ def preference_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: to
         ld_alpha        log pi(y) = sum over its first min(|y_c|, |y_r|) tokens + ld_alpha x the rest (both)    LD-DPO
 
     bco_pair, aot and aot_pair compare pairs within the batch, so their value depends on how the batch is split
-    into micro-batches (TRL's bco_pair keeps a running mean d across steps instead; here d is the batch's)."""
+    into micro-batches (TRL 1.16's bco_pair has no shift d; earlier TRL kept a running mean of the rewards)."""
     if ref_chosen_logps is None or ref_rejected_logps is None:
         if loss_type not in _REFERENCE_FREE:
             raise ValueError(f"loss {loss_type!r} needs reference log-probs")
@@ -436,7 +436,7 @@ def chosen_nll(chosen_logps: torch.Tensor, tokens_per_pair: float) -> torch.Tens
 
 
 def _f_prime(log_ratio: torch.Tensor, kind: str, alpha: float) -> torch.Tensor:
-    """f-DPO's f'(u) at u = pi / pi_ref, from log u, as TRL computes it (reverse_kl: log u, whose + 1 cancels)."""
+    """f-DPO's f'(u) at u = pi / pi_ref, from log u, as TRL computes it (reverse_kl: log u, without f-DPO's + 1)."""
     if kind == "forward_kl":  # f'(u) = 1 - 1 / u
         return 1 - torch.exp(-log_ratio)
     if kind == "js_divergence":  # f'(u) = log(2u / (1 + u))

@@ -1322,15 +1322,16 @@ def _assert_same_run(a, b, exact=True, keys=PAIR_METRICS, weight_atol=ADAM_ATOL)
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0 if exact else weight_atol)
 
 
-# Every option of the objective at once (f-DPO allows this mix), TR-DPO syncing every 2 steps.
+# Every option of the objective at once (f-DPO allows this mix), TR-DPO syncing every 2 of 4 steps.
 OBJECTIVES = ("--loss", "dpo", "--loss", "ipo", "--loss-weights", "1", "--loss-weights", "0.5", "--use-weighting",
               "--ld-alpha", "0.5", "--f-divergence-type", "js_divergence", "--sync-ref-model",
-              "--ref-model-sync-steps", "2", "--ref-model-mixup-alpha", "0.6", *SIX)
+              "--ref-model-sync-steps", "2", "--ref-model-mixup-alpha", "0.6", "--max-steps", "4",
+              "--micro-batch-size", "8")
 
 
 @pytest.fixture(scope="module")
 def objectives_run(tmp_path_factory):
-    """A 1-rank run of 6 steps with OBJECTIVES, checkpointed every 2 steps (all kept)."""
+    """A 1-rank run with OBJECTIVES, checkpointed every 2 steps (all kept)."""
     return run(tmp_path_factory.mktemp("objectives"), "run", *OBJECTIVES, "--save-every", "2")
 
 
@@ -1350,10 +1351,10 @@ def test_tr_dpo_mixes_the_full_weights_and_a_resumed_run_is_bit_identical(object
             expected = before.mul(1 - 0.6).add(state["model"][name], alpha=0.6)
             torch.testing.assert_close(state["reference"][name], expected, rtol=0, atol=0)
         reference = state["reference"]
-    out = tmp_path / "resumed"  # step-4's checkpoint holds the synced reference: resuming reproduces every bit
+    out = tmp_path / "resumed"  # step-2's checkpoint holds the synced reference: resuming reproduces every bit
     shutil.copytree(ckpts, out / "checkpoints")
-    (out / "checkpoints" / "latest").write_text("step-4")
-    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in read_metrics(objectives_run)[:4]))
+    (out / "checkpoints" / "latest").write_text("step-2")
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in read_metrics(objectives_run)[:2]))
     run(tmp_path, "resumed", *OBJECTIVES, "--resume", "latest")
     _assert_same_run(objectives_run, str(out))
 
@@ -1550,8 +1551,8 @@ def test_ref_precompute_matches_online_reference_and_is_cached_by_its_inputs(two
     assert len([f for f in os.listdir(cache) if f.startswith("ref-")]) == 2
     # LD-DPO's sums are another table, of the same sums as the policy's: at step 1 (policy = reference) the
     # log-ratios are 0 and the loss ln 2, which a table of plain sums would not give.
-    ld = run(tmp_path, "ld", *data, "--ref", "precompute", "--cache-dir", str(cache), "--ld-alpha", "0.3",
-             "--max-steps", "1")
+    ld = run(tmp_path, "ld", *data, "--ref", "precompute", "--cache-dir", str(cache), "--max-length", "40",
+             "--max-prompt-length", "20", "--max-steps", "1", "--ld-alpha", "0.3")  # as "short", but LD-DPO's
     assert "reference log-probs: computed" in capsys.readouterr().err
     assert len([f for f in os.listdir(cache) if f.startswith("ref-")]) == 3
     assert read_metrics(ld)[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)

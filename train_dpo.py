@@ -345,7 +345,7 @@ def save(run: Run, optimizer, step: int) -> str:
              "scaler": scaler.state_dict() if scaler.is_enabled() else None}
     synced = run.reference if cfg.objective.sync_ref_model else None  # TR-DPO's reference changes: saved too
     return save_checkpoint(os.path.join(cfg.out_dir, "checkpoints"), step, run.policy, optimizer, extra,
-                           cfg.checkpoints.keep_last, cfg.checkpoints.async_save, synced)
+                           keep_last=cfg.checkpoints.keep_last, background=cfg.checkpoints.async_save, reference=synced)
 
 
 def export_final(run: Run, log: RunLog) -> None:
