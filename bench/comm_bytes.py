@@ -4,13 +4,15 @@ in BENCHMARKS.md ("Past one node"). Run under torchrun with train_dpo.py's flags
 Prints, from rank 0, one JSON line: per step and rank, the bytes of each collective (all-gather: the gathered
 output; reduce-scatter: the input; all-reduce across replicas: the tensor) counted and predicted."""
 import json
+import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-import train_dpo
-from fsdp_setup import find_block_class
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import train_dpo  # noqa: E402
+from fsdp_setup import find_block_class  # noqa: E402
 
 counted, inside = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}, [False]
 
@@ -30,7 +32,8 @@ real_all_reduce = dist.all_reduce
 # FSDP's all-reduce across replicas (HSDP) runs on the replicate group; the trainer's own metrics on the world.
 dist.all_reduce = counting("all_reduce", real_all_reduce, lambda t, *a, **k: t if k.get("group") is not None
                            and dist.get_world_size(k["group"]) < dist.get_world_size() else t[:0])
-real_forward, real_row, steps, seen = train_dpo.pair_logps, train_dpo.train_row, [], {}
+real_forward, real_metrics, real_setup = train_dpo.pair_logps, train_dpo.step_metrics, train_dpo.setup
+steps, seen = [], {}
 
 
 def pair_logps(*args, **kwargs):  # a training micro-batch: the step's collectives are counted
@@ -38,22 +41,28 @@ def pair_logps(*args, **kwargs):  # a training micro-batch: the step's collectiv
     return real_forward(*args, **kwargs)
 
 
-def train_row(run, *args, **kwargs):  # after the optimizer step: the step's collectives are done
+def step_metrics(*args, **kwargs):  # after the optimizer step: the step's collectives are done
     inside[0] = False
     steps.append(dict(counted))
     counted.update(dict.fromkeys(counted, 0))
-    seen["run"] = run
-    return real_row(run, *args, **kwargs)
+    return real_metrics(*args, **kwargs)
+
+
+def setup(*args, **kwargs):  # the run, and the process group's shape while it exists
+    run, optimizer = real_setup(*args, **kwargs)
+    seen.update(run=run, world=dist.get_world_size(), rank=dist.get_rank())
+    return run, optimizer
 
 
 train_dpo.pair_logps = pair_logps
-train_dpo.train_row = train_row
+train_dpo.step_metrics = step_metrics
+train_dpo.setup = setup
 try:
     train_dpo.main(sys.argv[1:])
 except SystemExit as e:
     if e.code:
         raise
-run = seen["run"]
+run, world = seen["run"], seen["world"]
 
 
 def size(model, dtype_of):
@@ -77,7 +86,7 @@ def stored(p):
     return p.dtype
 
 
-micro = run.cfg.batch_size // (run.cfg.micro_batch_size * run.world)
+micro = run.cfg.batching.batch_size // (run.cfg.batching.micro_batch_size * world)
 blocks, root = size(run.policy, param)
 gather = micro * (2 * blocks + root)  # blocks: forward and backward; the trained root stays gathered in between
 if run.reference is not None:
@@ -85,8 +94,8 @@ if run.reference is not None:
 grads = sum(p.numel() for p in run.policy.parameters()) * (mp.reduce_dtype or torch.float32).itemsize
 replicas = run.cfg.fsdp.replicas
 predicted = {"all_gather": gather, "reduce_scatter": micro * grads,
-             "all_reduce": micro * grads // (run.world // replicas) if replicas > 1 else 0}
-if run.rank == 0:
-    print(json.dumps({"world": run.world, "replicas": replicas, "micro_batches": micro, "counted": steps[-1],
+             "all_reduce": micro * grads // (world // replicas) if replicas > 1 else 0}
+if seen["rank"] == 0:
+    print(json.dumps({"world": world, "replicas": replicas, "micro_batches": micro, "counted": steps[-1],
                       "predicted": predicted}))
 train_dpo.exit_without_shutdown(0)
