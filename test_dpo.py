@@ -1166,11 +1166,13 @@ def test_activation_checkpointing_and_resharding_change_memory_not_math():
             torch.testing.assert_close(g, results[0][1][n], rtol=1e-6, atol=1e-7)
 
 
-def test_compiled_blocks_train_like_eager_on_cpu(tmp_path):
-    """CPU: inductor's C++ kernels; with activation checkpointing, so its recomputation is compiled too."""
-    args = ("--max-steps", "3", "--micro-batch-size", "8", "--ref", "online", "--activation-checkpointing")
-    eager = read_metrics(run(tmp_path, "eager", *args))
-    compiled = read_metrics(run(tmp_path, "compiled", *args, "--compile"))
+def test_compiled_blocks_train_like_eager_on_cpu(six_steps, tmp_path):
+    """CPU: inductor's C++ kernels; with activation checkpointing, so its recomputation is compiled too. Against the
+    eager six_steps run's first 3 steps: their losses and gradients come before any update past the warmup, so the
+    shorter schedule changes nothing in them (and checkpointing changes no math: tested above)."""
+    eager = read_metrics(six_steps[0])[:3]
+    compiled = read_metrics(run(tmp_path, "compiled", "--max-steps", "3", "--micro-batch-size", "8",
+                                "--activation-checkpointing", "--compile"))
     assert [r["loss"] for r in compiled] == pytest.approx([r["loss"] for r in eager], rel=1e-4)
     assert compiled[-1]["grad_norm"] == pytest.approx(eager[-1]["grad_norm"], rel=1e-3)
 
