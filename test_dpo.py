@@ -1995,17 +1995,17 @@ def test_a_weighted_mix_under_an_f_divergence_with_wpo_weights_matches_hand_comp
     logps = torch.tensor(pc + pr, requires_grad=True)
     out = pair_loss(logps, torch.tensor(rc + rr), torch.tensor(lengths), objective, per_pair, torch.tensor(log_w))
 
-    def by_hand(x):  # one pair's loss from its [pc, pr] (float64 autograd for the gradient)
+    def by_hand(x, i):  # pair i's loss from its [pc, pr], in float64
         c, r = _f_prime_by_hand(x[0] - rc[i], kind, a), _f_prime_by_hand(x[1] - rr[i], kind, a)
         dpo = -_logsig(beta * (c - r))
         ipo = (c / lengths[i] - r / lengths[3 + i] - 1 / (2 * beta)) ** 2
         return (dpo + 0.5 * ipo + 0.25 * -x[0] / per_pair) * math.exp(log_w[i] + log_w[3 + i])
     out["losses"].sum().backward()
     for i in range(3):
-        assert out["losses"][i].item() == pytest.approx(by_hand([pc[i], pr[i]]), rel=1e-5)
+        assert out["losses"][i].item() == pytest.approx(by_hand([pc[i], pr[i]], i), rel=1e-5)
         h = 1e-4  # central differences in float64 stand in for the hand gradient
-        grads = [(by_hand([pc[i] + h * (k == 0), pr[i] + h * (k == 1)])
-                  - by_hand([pc[i] - h * (k == 0), pr[i] - h * (k == 1)])) / (2 * h) for k in range(2)]
+        grads = [(by_hand([pc[i] + h * (k == 0), pr[i] + h * (k == 1)], i)
+                  - by_hand([pc[i] - h * (k == 0), pr[i] - h * (k == 1)], i)) / (2 * h) for k in range(2)]
         assert [logps.grad[i].item(), logps.grad[3 + i].item()] == pytest.approx(grads, rel=1e-3, abs=1e-5)
         # Rewards: beta f' of the first preference loss's (summed) log-ratios; log-probs as given.
         for key, ratio in (("chosen_rewards", pc[i] - rc[i]), ("rejected_rewards", pr[i] - rr[i])):
