@@ -1,10 +1,15 @@
-"""Preference data: read pairs in the common shapes and tokenize them as the model sees them, once per run.
-Copyable on its own: imports only the standard library, torch and transformers. Row shapes: README.md's Data.
+"""Preference data: read pairs in the common shapes and tokenize them as the model sees them, once
+per run. Copyable on its own: imports only the standard library, torch and transformers. Row shapes:
+README.md's Data.
 
-    path = tokenize_to_cache(DataConfig(data=("prefs.jsonl",), eval_fraction=0.05, cache_dir="cache"), tokenizer)
-    train, evals, summary = load_tokens(path)   # train[0]: {"prompt", "chosen", "rejected"} id lists
-    rows = read_rows("prefs.jsonl")             # or just the checked rows
-    python data.py prefs.jsonl --model Qwen/Qwen2.5-0.5B-Instruct --show 3   # inspect what will be trained
+    config = DataConfig(data=("prefs.jsonl",), eval_fraction=0.05, cache_dir="cache")
+    path = tokenize_to_cache(config, tokenizer)
+    train, evals, summary = load_tokens(path)  # train[0]: {"prompt", "chosen", "rejected"} id lists
+    rows = read_rows("prefs.jsonl")  # or just the checked rows
+
+Inspect what will be trained:
+
+    python data.py prefs.jsonl --model Qwen/Qwen2.5-0.5B-Instruct --show 3
 """
 
 import argparse
@@ -29,27 +34,35 @@ _CHUNK = 2048  # rows per tokenizer call: batched calls are faster
 @dataclass
 class DataConfig:
     data: tuple[str, ...] = ()
-    """Training pairs: .jsonl/.json files or hub:NAME[:split] (needs the datasets package); none: the built-in demo
-    (demo:sft: its reviews with coin-flip labels, for an SFT stage). Repeat the flag or separate with commas."""
+    """Training pairs: .jsonl/.json files or hub:NAME[:split] (needs the datasets package); none:
+    the built-in demo (demo:sft: its reviews with coin-flip labels, for an SFT stage). Repeat the
+    flag or separate with commas."""
     eval_data: tuple[str, ...] = ()
-    """Held-out pairs, same forms. Default: the demo's held-out split with the demo, else --eval-fraction."""
+    """Held-out pairs, same forms. Default: the demo's held-out split with the demo, else
+    --eval-fraction."""
     eval_fraction: float = 0.0
-    """Share of --data held out for evaluation (a fixed, seed-independent choice); 0 with no --eval-data: none."""
+    """Share of --data held out for evaluation (a fixed, seed-independent choice); 0 with no
+    --eval-data: none."""
     max_length: int = 512
     """Most tokens in prompt plus response; longer pairs are truncated."""
     max_prompt_length: int | None = None
-    """Most prompt tokens kept when a pair is longer than --max-length. Default: half of --max-length."""
+    """Most prompt tokens kept when a pair is longer than --max-length. Default: half of
+    --max-length."""
     truncation: Literal["keep_end", "keep_start"] = "keep_end"
-    """Which part of a too-long prompt is kept: its end (nearest the response) or its start. A leading BOS stays."""
+    """Which part of a too-long prompt is kept: its end (nearest the response) or its start. A
+    leading BOS stays."""
     cache_dir: str = "runs/cache"
-    """Tokenized data and --ref precompute log-probs, reused by runs with the same inputs; all ranks must share it."""
+    """Tokenized data and --ref precompute log-probs, reused by runs with the same inputs; all ranks
+    must share it."""
 
     def __post_init__(self):
         self.data = tuple(s for spec in self.data for s in spec.split(",") if s)
         self.eval_data = tuple(s for spec in self.eval_data for s in spec.split(",") if s)
         if not 0 < self.prompt_limit < self.max_length:
-            raise ValueError(f"need 0 < --max-prompt-length ({self.prompt_limit}) < --max-length "
-                             f"({self.max_length}), so every response keeps at least one token")
+            raise ValueError(
+                f"need 0 < --max-prompt-length ({self.prompt_limit}) < --max-length "
+                f"({self.max_length}), so every response keeps at least one token"
+            )
         if not 0 <= self.eval_fraction < 1:
             raise ValueError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
         if self.eval_fraction and self.eval_data:
@@ -57,7 +70,8 @@ class DataConfig:
 
     @property
     def prompt_limit(self) -> int:
-        """--max-prompt-length, or half of --max-length (not stored: the CLI's default instance must not pin it)."""
+        """--max-prompt-length, or half of --max-length (not stored: the CLI's default instance must
+        not pin it)."""
         return self.max_length // 2 if self.max_prompt_length is None else self.max_prompt_length
 
 
@@ -66,15 +80,18 @@ class DataError(ValueError):
 
 
 def read_rows(spec: str) -> list[dict]:
-    """Checked rows of a file or hub:NAME[:split]: {"prompt" (None if implicit), "chosen", "rejected", "where"}."""
+    """Checked rows of a file or hub:NAME[:split]: {"prompt" (None if implicit), "chosen",
+    "rejected", "where"}."""
     raw = _read_source(spec)
     if not raw:
         raise DataError(f"{spec}:1: no preference pairs")
     rows, first = [], None
     for where, row in raw:
         if not isinstance(row, dict):
-            raise DataError(f"{where}: expected an object with fields chosen, rejected (and prompt); "
-                            f"got {type(row).__name__}")
+            raise DataError(
+                f"{where}: expected an object with fields chosen, rejected (and prompt); got "
+                f"{type(row).__name__}"
+            )
         kinds = {}
         for field in ("prompt", "chosen", "rejected"):
             value = row.get(field)
@@ -82,24 +99,40 @@ def read_rows(spec: str) -> list[dict]:
                 raise DataError(f"{where}: missing field '{field}'")
             if isinstance(value, list):
                 for i, m in enumerate(value):
-                    if not (isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content"))):
-                        raise DataError(f"{where}: field '{field}' message {i}: expected {{\"role\": str, "
-                                        f"\"content\": str}}, got {json.dumps(m)[:80]}")
+                    if not (
+                        isinstance(m, dict)
+                        and all(isinstance(m.get(k), str) for k in ("role", "content"))
+                    ):
+                        raise DataError(
+                            f"{where}: field '{field}' message {i}: expected {{\"role\": str, "
+                            f'"content": str}}, got {json.dumps(m)[:80]}'
+                        )
                 kinds[field] = "conversational"
             elif isinstance(value, str):
                 kinds[field] = "standard"
             elif value is not None:
-                raise DataError(f"{where}: field '{field}' must be a string or a list of messages, "
-                                f"got {type(value).__name__}")
+                raise DataError(
+                    f"{where}: field '{field}' must be a string or a list of messages, got "
+                    f"{type(value).__name__}"
+                )
         if len(set(kinds.values())) > 1:
             shapes = ", ".join(f"{k}: {v}" for k, v in kinds.items())
             raise DataError(f"{where}: fields mix strings and message lists ({shapes})")
         kind = kinds["chosen"] if "prompt" in kinds else f"implicit-prompt {kinds['chosen']}"
         first = first or (where, kind)
         if kind != first[1]:
-            raise DataError(f"{where}: this row is {kind}, but the first row ({first[0]}) is {first[1]}; "
-                            f"mixed formats in one file are refused")
-        rows.append({"prompt": row.get("prompt"), "chosen": row["chosen"], "rejected": row["rejected"], "where": where})
+            raise DataError(
+                f"{where}: this row is {kind}, but the first row ({first[0]}) is {first[1]}; mixed "
+                "formats in one file are refused"
+            )
+        rows.append(
+            {
+                "prompt": row.get("prompt"),
+                "chosen": row["chosen"],
+                "rejected": row["rejected"],
+                "where": where,
+            }
+        )
     return rows
 
 
@@ -107,15 +140,19 @@ def _read_source(spec: str) -> list[tuple[str, object]]:
     if spec.startswith("hub:"):
         return [(f"{spec} row {i + 1}", row) for i, row in enumerate(_load_hub(spec))]
     if not os.path.isfile(spec):
-        raise DataError(f"{spec}: no such file (give a .jsonl/.json path, hub:NAME[:split] or demo)")
+        raise DataError(
+            f"{spec}: no such file (give a .jsonl/.json path, hub:NAME[:split] or demo)"
+        )
     with open(spec, "rb") as f:
         data = f.read()
     try:
         text = data.decode("utf-8-sig")  # a leading byte-order mark is dropped
     except UnicodeDecodeError as e:
         line, column = data.count(b"\n", 0, e.start) + 1, e.start - data.rfind(b"\n", 0, e.start)
-        raise DataError(f"{spec}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at column {column}); "
-                        f"save the file as UTF-8") from None
+        raise DataError(
+            f"{spec}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at column {column}); save "
+            "the file as UTF-8"
+        ) from None
     start = len(text) - len(text.lstrip())
     if start == len(text):
         raise DataError(f"{spec}:1: empty file, expected preference rows")
@@ -126,23 +163,30 @@ def _read_source(spec: str) -> list[tuple[str, object]]:
                 try:
                     rows.append((f"{spec}:{line}", json.loads(raw)))
                 except json.JSONDecodeError as e:
-                    raise DataError(f"{spec}:{line}: invalid JSON ({e.msg} at column {e.colno})") from None
+                    raise DataError(
+                        f"{spec}:{line}: invalid JSON ({e.msg} at column {e.colno})"
+                    ) from None
         return rows
-    # A JSON array, decoded element by element so every row keeps the line it starts on, for error messages.
+    # A JSON array, decoded element by element so every row keeps the line it starts on, for error
+    # messages.
     i = _SPACE.match(text, start + 1).end()
     while rows or not text.startswith("]", i):  # "[]" has no rows
         try:
             row, end = _DECODER.raw_decode(text, i)
         except json.JSONDecodeError as e:
-            raise DataError(f"{spec}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+            raise DataError(
+                f"{spec}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})"
+            ) from None
         rows.append((f"{spec}:{_line(text, i)}", row))
         i = _SPACE.match(text, end).end()
         if text.startswith("]", i):
             break
         if not text.startswith(",", i):
             found = repr(text[i]) if i < len(text) else "the end of the file"
-            raise DataError(f"{spec}:{_line(text, i)}: invalid JSON (expected ',' or ']' after an element, "
-                            f"found {found})")
+            raise DataError(
+                f"{spec}:{_line(text, i)}: invalid JSON (expected ',' or ']' after an element, "
+                f"found {found})"
+            )
         i = _SPACE.match(text, i + 1).end()
     i = _SPACE.match(text, i + 1).end()
     if i < len(text):
@@ -156,25 +200,33 @@ def _line(text: str, i: int) -> int:
 
 def write_jsonl(path: str, rows: list[dict]) -> str:
     """Write rows as JSON Lines, atomically (see write_atomic); returns the path."""
+
     def write(tmp: str) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+
     return write_atomic(path, write)
 
 
 def _load_hub(spec: str):
-    name, _, split = spec[len("hub:"):].partition(":")
+    name, _, split = spec[len("hub:") :].partition(":")
     try:
         import datasets
     except ImportError:
-        raise DataError(f"{spec}: hub datasets need the datasets package (pip install datasets)") from None
+        raise DataError(
+            f"{spec}: hub datasets need the datasets package (pip install datasets)"
+        ) from None
     try:
         if not os.path.isdir(name):
             return datasets.load_dataset(name, split=split or "train")
         ds = datasets.load_from_disk(name)
         return ds[split or "train"] if isinstance(ds, datasets.DatasetDict) else ds
-    except Exception as e:  # the datasets package raises many types; all mean "cannot read this spec"
-        raise DataError(f"{spec}: cannot load ({type(e).__name__}: {str(e).strip().splitlines()[0]})") from None
+    except (
+        Exception
+    ) as e:  # the datasets package raises many types; all mean "cannot read this spec"
+        raise DataError(
+            f"{spec}: cannot load ({type(e).__name__}: {str(e).strip().splitlines()[0]})"
+        ) from None
 
 
 def _render(row: dict, tokenizer) -> tuple[str, str, str]:
@@ -182,48 +234,66 @@ def _render(row: dict, tokenizer) -> tuple[str, str, str]:
     prompt, chosen, rejected, where = row["prompt"], row["chosen"], row["rejected"], row["where"]
     if prompt is None:
         prompt = _implicit_prompt(chosen, rejected, tokenizer, where)
-        chosen, rejected = chosen[len(prompt):], rejected[len(prompt):]
+        chosen, rejected = chosen[len(prompt) :], rejected[len(prompt) :]
     if isinstance(chosen, str):
         return prompt, chosen, rejected
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError(f"{where}: message lists need a chat template, and tokenizer "
-                        f"{tokenizer.name_or_path or type(tokenizer).__name__} has none")
+        raise DataError(
+            f"{where}: message lists need a chat template, and tokenizer "
+            f"{tokenizer.name_or_path or type(tokenizer).__name__} has none"
+        )
     text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
     responses = []
     for field, response in (("chosen", chosen), ("rejected", rejected)):
-        full = tokenizer.apply_chat_template(prompt + response, tokenize=False) if response else text
+        full = (
+            tokenizer.apply_chat_template(prompt + response, tokenize=False) if response else text
+        )
         if not full.startswith(text):
-            raise DataError(f"{where}: field '{field}': the chat template renders the prompt differently once "
-                            f"the response follows, so the two cannot be split")
-        responses.append(full[len(text):])
+            raise DataError(
+                f"{where}: field '{field}': the chat template renders the prompt differently once "
+                "the response follows, so the two cannot be split"
+            )
+        responses.append(full[len(text) :])
     return text, responses[0], responses[1]
 
 
 def _implicit_prompt(chosen: str | list, rejected: str | list, tokenizer, where: str) -> str | list:
     if isinstance(chosen, list):  # the longest common run of messages
-        n = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
+        n = next(
+            (i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b),
+            min(len(chosen), len(rejected)),
+        )
         if n == 0:
-            raise DataError(f"{where}: fields 'chosen' and 'rejected' share no first message to use as the prompt")
+            raise DataError(
+                f"{where}: fields 'chosen' and 'rejected' share no first message to use as the "
+                "prompt"
+            )
         return chosen[:n]
     shared = os.path.commonprefix([chosen, rejected])
     turn = shared.rfind(_HH_MARKER)
     if turn >= 0:
-        return shared[:turn + len(_HH_MARKER)]
+        return shared[: turn + len(_HH_MARKER)]
     chosen_ids, rejected_ids = tokenizer([chosen, rejected], add_special_tokens=False)["input_ids"]
     while shared:  # back off until the prefix's tokens begin both texts' tokens
         ids = tokenizer(shared, add_special_tokens=False)["input_ids"]
-        if chosen_ids[:len(ids)] == ids and rejected_ids[:len(ids)] == ids:
+        if chosen_ids[: len(ids)] == ids and rejected_ids[: len(ids)] == ids:
             return shared
         shared = shared[:-1]
     raise DataError(f"{where}: fields 'chosen' and 'rejected' share no prefix to use as the prompt")
 
 
 class PairTokens:
-    """N pairs' ids in one flat, memory-mappable int32 tensor; tokens[i]: {"prompt", "chosen", "rejected"} lists."""
+    """N pairs' ids in one flat, memory-mappable int32 tensor; tokens[i]: {"prompt", "chosen",
+    "rejected"} lists."""
 
     def __init__(self, ids: torch.Tensor, lengths: torch.Tensor):
-        self.ids, self.lengths = ids, lengths  # (total,) int32; (N, 3) int64 [prompt, chosen, rejected]
-        self._starts = torch.cat([torch.zeros(1, dtype=torch.long), lengths.sum(1).cumsum(0)]).tolist()
+        self.ids, self.lengths = (
+            ids,
+            lengths,
+        )  # (total,) int32; (N, 3) int64 [prompt, chosen, rejected]
+        self._starts = torch.cat(
+            [torch.zeros(1, dtype=torch.long), lengths.sum(1).cumsum(0)]
+        ).tolist()
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -234,62 +304,97 @@ class PairTokens:
 
     def __getitem__(self, i: int) -> dict[str, list[int]]:
         p, c, r = self.lengths[i].tolist()
-        row = self.ids[self._starts[i]:self._starts[i + 1]].tolist()
-        return {"prompt": row[:p], "chosen": row[p:p + c], "rejected": row[p + c:]}
+        row = self.ids[self._starts[i] : self._starts[i + 1]].tolist()
+        return {"prompt": row[:p], "chosen": row[p : p + c], "rejected": row[p + c :]}
 
 
-def tokenize_pairs(rows: list[dict], tokenizer, config: DataConfig, progress=None) -> tuple[PairTokens, dict]:
-    """(tokens, summary) of read_rows rows, cut and dropped as README.md's Data section says; the summary counts
-    pairs, drops, cuts and lengths before cutting; progress(message) hears long runs."""
+def tokenize_pairs(
+    rows: list[dict], tokenizer, config: DataConfig, progress=None
+) -> tuple[PairTokens, dict]:
+    """(tokens, summary) of read_rows rows, cut and dropped as README.md's Data section says; the
+    summary counts pairs, drops, cuts and lengths before cutting; progress(message) hears long
+    runs."""
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no EOS token; responses must end with one")
     prefix = _leading_special_ids(tokenizer)
-    counts = dict.fromkeys(("dropped_empty", "dropped_identical", "identical_after_truncation", "truncated",
-                            "truncated_prompts", "truncated_responses", "retokenized"), 0)
+    counts = dict.fromkeys(
+        (
+            "dropped_empty",
+            "dropped_identical",
+            "identical_after_truncation",
+            "truncated",
+            "truncated_prompts",
+            "truncated_responses",
+            "retokenized",
+        ),
+        0,
+    )
     done, lengths, raw = [], [], {"prompt": [], "response": [], "pair": []}
     for s in range(0, len(rows), _CHUNK):
         if progress and len(rows) > 10 * _CHUNK and (s // _CHUNK) % 10 == 0:
             progress(f"tokenizing: {s}/{len(rows)} pairs")
-        texts = [_render(row, tokenizer) for row in rows[s:s + _CHUNK]]
+        texts = [_render(row, tokenizer) for row in rows[s : s + _CHUNK]]
         prompts = tokenizer([p for p, _, _ in texts], add_special_tokens=False)["input_ids"]
-        fulls = tokenizer([p + x for p, c, r in texts for x in (c, r)], add_special_tokens=False)["input_ids"]
+        fulls = tokenizer([p + x for p, c, r in texts for x in (c, r)], add_special_tokens=False)[
+            "input_ids"
+        ]
         flat = []
         for j, (_, c, r) in enumerate(texts):
             row = rows[s + j]
-            prompt = prompts[j] if isinstance(row["chosen"], list) else prefix + prompts[j]  # templates add BOS
+            prompt = (
+                prompts[j] if isinstance(row["chosen"], list) else prefix + prompts[j]
+            )  # templates add BOS
             if not prompt:
-                raise DataError(f"{row['where']}: field 'prompt' is empty and the tokenizer adds no BOS, so the "
-                                f"response's first token would have nothing to follow")
+                raise DataError(
+                    f"{row['where']}: field 'prompt' is empty and the tokenizer adds no BOS, so "
+                    "the response's first token would have nothing to follow"
+                )
             chosen = _response_ids(prompts[j], c, fulls[2 * j], tokenizer, counts)
             rejected = _response_ids(prompts[j], r, fulls[2 * j + 1], tokenizer, counts)
             pair = _truncate(prompt, chosen, rejected, prefix, config, counts, raw)
             if pair:
                 flat += pair[0] + pair[1] + pair[2]
                 lengths.append(tuple(map(len, pair)))
-        done.append(torch.tensor(flat, dtype=torch.int32))  # as int32: Python ints take several times the memory
+        done.append(
+            torch.tensor(flat, dtype=torch.int32)
+        )  # as int32: Python ints take several times the memory
     ids = torch.cat(done) if done else torch.zeros(0, dtype=torch.int32)
     tokens = PairTokens(ids, torch.tensor(lengths, dtype=torch.long).view(-1, 3))
-    return tokens, {"pairs": len(tokens), "dropped": counts["dropped_empty"] + counts["dropped_identical"],
-                    **counts, "tokens_before_truncation": {k: _percentiles(v) for k, v in raw.items()}}
+    return tokens, {
+        "pairs": len(tokens),
+        "dropped": counts["dropped_empty"] + counts["dropped_identical"],
+        **counts,
+        "tokens_before_truncation": {k: _percentiles(v) for k, v in raw.items()},
+    }
 
 
-def _response_ids(prompt: list[int], text: str, full: list[int], tokenizer, counts: dict) -> list[int]:
-    """A response's ids, ending with one EOS: the template's own if only whitespace follows it, else an appended one."""
-    if full[:len(prompt)] == prompt:
-        ids = full[len(prompt):]
+def _response_ids(
+    prompt: list[int], text: str, full: list[int], tokenizer, counts: dict
+) -> list[int]:
+    """A response's ids, ending with one EOS: the template's own if only whitespace follows it, else
+    an appended one."""
+    if full[: len(prompt)] == prompt:
+        ids = full[len(prompt) :]
     else:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         counts["retokenized"] += 1
     eos = tokenizer.eos_token_id
     if eos in ids:
         last = len(ids) - 1 - ids[::-1].index(eos)
-        if not tokenizer.decode(ids[last + 1:]).strip():
-            return ids[:last + 1]
+        if not tokenizer.decode(ids[last + 1 :]).strip():
+            return ids[: last + 1]
     return ids + [eos]
 
 
-def _truncate(prompt: list[int], chosen: list[int], rejected: list[int], prefix: list[int], config: DataConfig,
-              counts: dict, raw: dict) -> tuple[list[int], list[int], list[int]] | None:
+def _truncate(
+    prompt: list[int],
+    chosen: list[int],
+    rejected: list[int],
+    prefix: list[int],
+    config: DataConfig,
+    counts: dict,
+    raw: dict,
+) -> tuple[list[int], list[int], list[int]] | None:
     """The pair cut to config's limits, or None when it carries no preference (counted)."""
     if len(chosen) == 1 or len(rejected) == 1:  # nothing but EOS
         counts["dropped_empty"] += 1
@@ -304,12 +409,14 @@ def _truncate(prompt: list[int], chosen: list[int], rejected: list[int], prefix:
         return prompt, chosen, rejected
     cut_prompt = len(prompt) > config.prompt_limit
     if cut_prompt and config.truncation == "keep_start":
-        prompt = prompt[:config.prompt_limit]
+        prompt = prompt[: config.prompt_limit]
     elif cut_prompt:  # a leading BOS stays when the start is cut away
-        head = prefix if prompt[:len(prefix)] == prefix else []
-        prompt = head + prompt[len(prompt) - (config.prompt_limit - len(head)):]
+        head = prefix if prompt[: len(prefix)] == prefix else []
+        prompt = head + prompt[len(prompt) - (config.prompt_limit - len(head)) :]
     room = config.max_length - len(prompt)
-    if chosen[:room] == rejected[:room]:  # responses that differ only past the cut teach nothing either
+    if (
+        chosen[:room] == rejected[:room]
+    ):  # responses that differ only past the cut teach nothing either
         counts["dropped_identical"] += 1
         counts["identical_after_truncation"] += 1
         return None
@@ -325,7 +432,7 @@ def _leading_special_ids(tokenizer) -> list[int]:
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
     full = tokenizer("a", add_special_tokens=True)["input_ids"]
     for i in range(len(full) - len(plain) + 1):
-        if full[i:i + len(plain)] == plain:
+        if full[i : i + len(plain)] == plain:
             return full[:i]
     return []
 
@@ -334,16 +441,31 @@ def _percentiles(values: list[int]) -> dict:
     if not values:
         return {}
     ordered = sorted(values)
-    return {f"p{q}": ordered[min(len(ordered) - 1, len(ordered) * q // 100)] for q in (50, 90, 99, 100)}
+    return {
+        f"p{q}": ordered[min(len(ordered) - 1, len(ordered) * q // 100)] for q in (50, 90, 99, 100)
+    }
 
 
 def tokenize_to_cache(config: DataConfig, tokenizer, progress=None) -> str:
-    """{cache_dir}/tokens-<hash of sources, settings, tokenizer>.pt, made unless there (by one rank; all load it)."""
+    """{cache_dir}/tokens-<hash of sources, settings, tokenizer>.pt, made unless there (by one rank;
+    all load it)."""
     settings = {k: v for k, v in asdict(config).items() if k != "cache_dir"}
-    tokenizer_key = key_digest([type(tokenizer).__name__, sorted(tokenizer.get_vocab().items()),
-                                tokenizer.chat_template, tokenizer.eos_token_id, _leading_special_ids(tokenizer)])
-    key = {"version": _CACHE_VERSION, "settings": settings, "tokenizer": tokenizer_key,
-           "train": [_fingerprint(s) for s in config.data], "eval": [_fingerprint(s) for s in config.eval_data]}
+    tokenizer_key = key_digest(
+        [
+            type(tokenizer).__name__,
+            sorted(tokenizer.get_vocab().items()),
+            tokenizer.chat_template,
+            tokenizer.eos_token_id,
+            _leading_special_ids(tokenizer),
+        ]
+    )
+    key = {
+        "version": _CACHE_VERSION,
+        "settings": settings,
+        "tokenizer": tokenizer_key,
+        "train": [_fingerprint(s) for s in config.data],
+        "eval": [_fingerprint(s) for s in config.eval_data],
+    }
     digest = key_digest(key)[:20]
     path = os.path.join(config.cache_dir, f"tokens-{digest}.pt")
     if os.path.exists(path):
@@ -351,36 +473,61 @@ def tokenize_to_cache(config: DataConfig, tokenizer, progress=None) -> str:
     rows = [row for spec in config.data for row in read_rows(spec)]
     eval_rows = [row for spec in config.eval_data for row in read_rows(spec)]
     if config.eval_fraction:  # held out by a fixed shuffle, the same whatever --seed
-        held = set(random.Random(0).sample(range(len(rows)), round(config.eval_fraction * len(rows))))
+        held = set(
+            random.Random(0).sample(range(len(rows)), round(config.eval_fraction * len(rows)))
+        )
         eval_rows = [r for i, r in enumerate(rows) if i in held]
         rows = [r for i, r in enumerate(rows) if i not in held]
     train, train_summary = tokenize_pairs(rows, tokenizer, config, progress)
     evals, eval_summary = tokenize_pairs(eval_rows, tokenizer, config, progress)
     if not len(train):
-        raise DataError(f"{','.join(config.data)}: every pair was dropped ({train_summary['dropped']} with an "
-                        f"empty or identical response)")
-    # What fixes the training pairs, for resume checks: the files, and how this code and tokenizer cut them.
-    summary = {"fingerprint": digest, "train_sha256": key_digest([key["train"], _CACHE_VERSION, tokenizer_key]),
-               "train": train_summary, "eval": eval_summary}
-    return write_atomic(path, lambda tmp: torch.save({"train_ids": train.ids, "train_lengths": train.lengths,
-                                                      "eval_ids": evals.ids, "eval_lengths": evals.lengths,
-                                                      "summary": json.dumps(summary)}, tmp))
+        raise DataError(
+            f"{','.join(config.data)}: every pair was dropped ({train_summary['dropped']} with an "
+            "empty or identical response)"
+        )
+    # What fixes the training pairs, for resume checks: the files, and how this code and tokenizer
+    # cut them.
+    summary = {
+        "fingerprint": digest,
+        "train_sha256": key_digest([key["train"], _CACHE_VERSION, tokenizer_key]),
+        "train": train_summary,
+        "eval": eval_summary,
+    }
+    return write_atomic(
+        path,
+        lambda tmp: torch.save(
+            {
+                "train_ids": train.ids,
+                "train_lengths": train.lengths,
+                "eval_ids": evals.ids,
+                "eval_lengths": evals.lengths,
+                "summary": json.dumps(summary),
+            },
+            tmp,
+        ),
+    )
 
 
 def load_tokens(path: str) -> tuple[PairTokens, PairTokens, dict]:
-    """(train, eval, summary) from a tokenize_to_cache file, memory-mapped: ranks on a node share one copy."""
+    """(train, eval, summary) from a tokenize_to_cache file, memory-mapped: ranks on a node share
+    one copy."""
     saved = torch.load(path, mmap=True, weights_only=True)
-    return (PairTokens(saved["train_ids"], saved["train_lengths"]),
-            PairTokens(saved["eval_ids"], saved["eval_lengths"]), json.loads(saved["summary"]))
+    return (
+        PairTokens(saved["train_ids"], saved["train_lengths"]),
+        PairTokens(saved["eval_ids"], saved["eval_lengths"]),
+        json.loads(saved["summary"]),
+    )
 
 
 def key_digest(key) -> str:
-    """sha256 hex of a JSON-able key: what names a cache file after everything its content depends on."""
+    """sha256 hex of a JSON-able key: what names a cache file after everything its content depends
+    on."""
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def write_atomic(path: str, write) -> str:
-    """write(tmp) beside `path` (its folder made if need be), then rename: a reader never sees half a file."""
+    """write(tmp) beside `path` (its folder made if need be), then rename: a reader never sees half
+    a file."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     write(tmp)
@@ -392,49 +539,67 @@ def _fingerprint(spec: str) -> str:
     if spec.startswith("hub:"):
         return f"{spec}:{_load_hub(spec)._fingerprint}"
     if not os.path.isfile(spec):
-        raise DataError(f"{spec}: no such file (give a .jsonl/.json path, hub:NAME[:split] or demo)")
+        raise DataError(
+            f"{spec}: no such file (give a .jsonl/.json path, hub:NAME[:split] or demo)"
+        )
     with open(spec, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def load_tokenizer(name: str):
-    """A hub id's or folder's tokenizer (ValueError naming --model); "tiny": ByT5's bytes, with a chat template."""
+    """A hub id's or folder's tokenizer (ValueError naming --model); "tiny": ByT5's bytes, with a
+    chat template."""
     if name.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(name)):
         raise ValueError(f"--model {name}: no such folder")
     if name != "tiny":
         try:
             return transformers.AutoTokenizer.from_pretrained(name)
         except OSError as e:
-            raise ValueError(f"--model {name}: cannot load ({str(e).strip().splitlines()[0]})") from None
+            raise ValueError(
+                f"--model {name}: cannot load ({str(e).strip().splitlines()[0]})"
+            ) from None
     tokenizer = transformers.ByT5Tokenizer()
-    tokenizer.chat_template = ("{% for m in messages %}{{ '<|' + m.role + '|>\\n' + m.content }}"
-                               "{% if m.role == 'assistant' %}{{ '</s>' }}{% endif %}{{ '\\n' }}{% endfor %}"
-                               "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ '<|' + m.role + '|>\\n' + m.content }}"
+        "{% if m.role == 'assistant' %}{{ '</s>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+    )
     return tokenizer
 
 
 def inspect(argv: list[str] | None = None) -> None:
-    """python data.py PATH --model NAME [--max-length N] [--max-prompt-length N] [--truncation T] [--show K]:
-    K JSON lines decoded from exactly the tokens that will be trained, then one JSON summary line."""
+    """python data.py PATH --model NAME [--max-length N] [--max-prompt-length N] [--truncation T]
+    [--show K]: K JSON lines decoded from exactly the tokens that will be trained, then one JSON
+    summary line."""
     parser = argparse.ArgumentParser(prog="data.py", description=inspect.__doc__.split(":")[0])
     parser.add_argument("path", help="file(s) (comma-separated) or hub:NAME[:split]")
-    parser.add_argument("--model", required=True, help='hub id, folder, or "tiny" (train_dpo.py\'s byte tokenizer)')
+    parser.add_argument(
+        "--model", required=True, help='hub id, folder, or "tiny" (train_dpo.py\'s byte tokenizer)'
+    )
     parser.add_argument("--max-length", type=int, default=DataConfig.max_length)
     parser.add_argument("--max-prompt-length", type=int, help="default: half of --max-length")
-    parser.add_argument("--truncation", choices=("keep_end", "keep_start"), default=DataConfig.truncation)
+    parser.add_argument(
+        "--truncation", choices=("keep_end", "keep_start"), default=DataConfig.truncation
+    )
     parser.add_argument("--show", type=int, default=3, help="pairs to print")
     args = parser.parse_args(argv)
     transformers.utils.logging.set_verbosity_error()
     try:
-        config = DataConfig(data=(args.path,), max_length=args.max_length,
-                            max_prompt_length=args.max_prompt_length, truncation=args.truncation)
+        config = DataConfig(
+            data=(args.path,),
+            max_length=args.max_length,
+            max_prompt_length=args.max_prompt_length,
+            truncation=args.truncation,
+        )
         tokenizer = load_tokenizer(args.model)
         rows = [row for spec in config.data for row in read_rows(spec)]
         tokens, summary = tokenize_pairs(rows, tokenizer, config)
     except (ValueError, OSError) as e:
         parser.exit(2, f"error: {e}\n")
     for i in range(min(args.show, len(tokens))):
-        print(json.dumps({k: tokenizer.decode(v) for k, v in tokens[i].items()}, ensure_ascii=False))
+        print(
+            json.dumps({k: tokenizer.decode(v) for k, v in tokens[i].items()}, ensure_ascii=False)
+        )
     print(json.dumps(summary))
 
 

@@ -1,14 +1,17 @@
-"""The built-in demo task: synthetic product reviews with a known right answer, and its ground-truth scorer.
+"""The built-in demo task: synthetic product reviews with a known right answer, and its ground-truth
+scorer.
 
 Copyable on its own: imports only the standard library.
 
-    pairs = demo_pairs("train")    # 2048 {"prompt", "chosen", "rejected"} pairs, the same on every machine
-    score_completion(" The red kettle is great and works well. 5/5")   # +1: the chosen style
-    files = demo_files("runs/cache", write_jsonl)     # {"train", "eval", "sft"}: JSON Lines files, written once
-    dataset, demo = demo_config(data.DataConfig(), write_jsonl)   # the config naming those files, True
+    pairs = demo_pairs("train")  # 2048 {"prompt", "chosen", "rejected"}, the same on every machine
+    score_completion(" The red kettle is great and works well. 5/5")  # +1: the chosen style
+    # {"train", "eval", "sft"}: JSON Lines files, written once
+    files = demo_files("runs/cache", write_jsonl)
+    # the config naming those files, and True
+    dataset, demo = demo_config(data.DataConfig(), write_jsonl)
 
-Chosen answers praise the product and end "5/5"; rejected answers pan it and end "1/5". The held-out split
-reviews products never seen in training, so a policy must learn the style, not memorise items.
+Chosen answers praise the product and end "5/5"; rejected answers pan it and end "1/5". The held-out
+split reviews products never seen in training, so a policy must learn the style, not memorise items.
 """
 
 import os
@@ -16,10 +19,46 @@ import random
 import re
 from dataclasses import replace
 
-_ADJECTIVES = ["red", "blue", "green", "old", "new", "small", "big", "cheap", "shiny", "wooden", "steel",
-               "plastic", "heavy", "light", "quiet", "loud"]
-_TRAIN_NOUNS = ["kettle", "lamp", "chair", "phone", "watch", "bike", "drill", "tent", "radio", "camera",
-                "blender", "toaster", "jacket", "backpack", "mug", "pillow", "desk", "fan", "heater", "scarf"]
+_ADJECTIVES = [
+    "red",
+    "blue",
+    "green",
+    "old",
+    "new",
+    "small",
+    "big",
+    "cheap",
+    "shiny",
+    "wooden",
+    "steel",
+    "plastic",
+    "heavy",
+    "light",
+    "quiet",
+    "loud",
+]
+_TRAIN_NOUNS = [
+    "kettle",
+    "lamp",
+    "chair",
+    "phone",
+    "watch",
+    "bike",
+    "drill",
+    "tent",
+    "radio",
+    "camera",
+    "blender",
+    "toaster",
+    "jacket",
+    "backpack",
+    "mug",
+    "pillow",
+    "desk",
+    "fan",
+    "heater",
+    "scarf",
+]
 _EVAL_NOUNS = ["guitar", "helmet", "sofa", "stove", "wallet", "printer"]  # never seen in training
 _GOOD = ["great", "superb", "lovely", "excellent", "wonderful"]
 _GOOD_WHY = ["works well", "feels solid", "looks nice", "is worth it"]
@@ -29,9 +68,10 @@ _WORD = re.compile(r"[a-z]+|[15]/5")
 
 
 def demo_pairs(split: str) -> list[dict[str, str]]:
-    """2048 "train" or 256 "eval" {"prompt", "chosen", "rejected"} pairs, the same on every machine. "sft" is
-    the train split with a coin flip deciding which review is "chosen": SFT on it gives a model that writes
-    both styles, as a base model would, which DPO on "train" then moves toward praise."""
+    """2048 "train" or 256 "eval" {"prompt", "chosen", "rejected"} pairs, the same on every machine.
+    "sft" is the train split with a coin flip deciding which review is "chosen": SFT on it gives a
+    model that writes both styles, as a base model would, which DPO on "train" then moves toward
+    praise."""
     rng = random.Random(f"demo-{split}")
     nouns, n = (_EVAL_NOUNS, 256) if split == "eval" else (_TRAIN_NOUNS, 2048)
     pairs = []
@@ -53,16 +93,21 @@ def score_completion(text: str) -> int:
 
 
 def score_samples(completions: list[str]) -> dict[str, float]:
-    """The shares of completions in the chosen style ("samples/preferred") and in the rejected one."""
+    """The shares of completions in the chosen style ("samples/preferred") and in the rejected
+    one."""
     scores = [score_completion(text) for text in completions]
-    return {"samples/preferred": scores.count(1) / len(scores),
-            "samples/rejected_style": scores.count(-1) / len(scores)}
+    return {
+        "samples/preferred": scores.count(1) / len(scores),
+        "samples/rejected_style": scores.count(-1) / len(scores),
+    }
 
 
 def demo_files(folder: str, write_jsonl) -> dict[str, str]:
-    """{split: path} of the demo's "train", "eval" and "sft" splits as JSON Lines files in `folder`, each written
-    by write_jsonl(path, pairs) unless it is there already."""
-    files = {split: os.path.join(folder, f"demo-{split}.jsonl") for split in ("train", "eval", "sft")}
+    """{split: path} of the demo's "train", "eval" and "sft" splits as JSON Lines files in `folder`,
+    each written by write_jsonl(path, pairs) unless it is there already."""
+    files = {
+        split: os.path.join(folder, f"demo-{split}.jsonl") for split in ("train", "eval", "sft")
+    }
     for split, path in files.items():
         if not os.path.exists(path):
             write_jsonl(path, demo_pairs(split))
@@ -70,8 +115,9 @@ def demo_files(folder: str, write_jsonl) -> dict[str, str]:
 
 
 def demo_config(dataset, write_jsonl) -> tuple:
-    """(config, is the demo) for a data.DataConfig: one that names data comes back as it is, with False; the demo's
-    (no --data, demo or demo:sft) comes back naming the demo's files in its cache_dir, written there once, with True."""
+    """(config, is the demo) for a data.DataConfig: one that names data comes back as it is, with
+    False; the demo's (no --data, demo or demo:sft) comes back naming the demo's files in its
+    cache_dir, written there once, with True."""
     if dataset.data not in ((), ("demo",), ("demo:sft",)):
         return dataset, False
     files = demo_files(dataset.cache_dir, write_jsonl)

@@ -2,12 +2,17 @@
 
 Copyable on its own: imports only the standard library and torch.
 
-    rank, world, device = init_distributed()        # torchrun's env, or a world of one; nccl + gloo on CUDA
-    model = build_sharded(make_model, weights, mp_policy, device, FSDPConfig())   # each rank reads its own rows
-    with inference(model): model(**batch)           # eval, no grad; then the previous mode back, resharded
-    path = on_rank0(build_cache)                     # rank 0 works, every rank gets its result (or error)
-    for name, tensor, fetch in full_tensors(model, device): fetch()   # one full tensor at a time (ties once)
-    mix_into(reference, policy, alpha=0.6)            # TR-DPO: reference = 0.6 policy + 0.4 reference, shard by shard
+    # torchrun's environment, or a world of one; nccl + gloo on CUDA
+    rank, world, device = init_distributed()
+    # each rank reads its own rows of the weights
+    model = build_sharded(make_model, weights, mp_policy, device, FSDPConfig())
+    with inference(model):  # eval, no grad; then the previous mode back, resharded
+        model(**batch)
+    path = on_rank0(build_cache)  # rank 0 works, every rank gets its result (or error)
+    for name, tensor, fetch in full_tensors(model, device):  # one full tensor at a time
+        fetch()
+    # TR-DPO: reference = 0.6 policy + 0.4 reference, shard by shard
+    mix_into(reference, policy, alpha=0.6)
 """
 
 import contextlib
@@ -27,11 +32,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor
 
 _groups = itertools.count(1)  # process groups started in this process
-_rank0_calls = itertools.count(1)  # every rank calls on_rank0 in the same order: the n-th call's key
+_rank0_calls = itertools.count(
+    1
+)  # every rank calls on_rank0 in the same order: the n-th call's key
 _RANK0_WAIT = timedelta(hours=24)  # the longest rank-0 phase the other ranks wait for
 _meshes = {}  # the HSDP mesh of the current process group
 
@@ -39,31 +51,41 @@ _meshes = {}  # the HSDP mesh of the current process group
 @dataclass
 class FSDPConfig:
     device: Literal["auto", "cuda", "cpu"] = "auto"
-    """Where to train: auto is cuda when a GPU is visible (nccl for GPU tensors, gloo for CPU ones), else cpu (gloo)."""
+    """Where to train: auto is cuda when a GPU is visible (nccl for GPU tensors, gloo for CPU ones),
+    else cpu (gloo)."""
     activation_checkpointing: bool = False
-    """Recompute each transformer block's activations in backward (non-reentrant): less memory, more compute."""
+    """Recompute each transformer block's activations in backward (non-reentrant): less memory, more
+    compute."""
     reshard_after_forward: bool = True
-    """Free each block's gathered parameters after forward, gather them again in backward (ZeRO-3); off: ZeRO-2."""
+    """Free each block's gathered parameters after forward, gather them again in backward (ZeRO-3);
+    off: ZeRO-2."""
     compile: bool = False
-    """torch.compile each transformer block (dynamic shapes: micro-batches vary in length); first steps compile."""
+    """torch.compile each transformer block (dynamic shapes: micro-batches vary in length); first
+    steps compile."""
     unsharded_grad_accumulation: bool = False
-    """Accumulate micro-batch gradients unsharded and reduce-scatter once per step: fewer collectives, but every
-    rank holds a full gradient in the reduce dtype until the last micro-batch. Off: only gradient shards are kept."""
+    """Accumulate micro-batch gradients unsharded and reduce-scatter once per step: fewer
+    collectives, but every rank holds a full gradient in the reduce dtype until the last
+    micro-batch. Off: only gradient shards are kept."""
     cpu_offload: bool = False
-    """The policy's shards, gradients and AdamW state in host memory, its optimizer step on the CPU: less GPU memory."""
+    """The policy's shards, gradients and AdamW state in host memory, its optimizer step on the CPU:
+    less GPU memory."""
     replicas: int = 1
-    """HSDP: R copies of the model, each sharded over world/R consecutive ranks (e.g. one node), so only gradient
-    shards cross copies (an all-reduce over the R copies). 1: every rank shards one copy (FSDP)."""
+    """HSDP: R copies of the model, each sharded over world/R consecutive ranks (e.g. one node), so
+    only gradient shards cross copies (an all-reduce over the R copies). 1: every rank shards one
+    copy (FSDP)."""
 
     def __post_init__(self):
         if self.replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
 
 
-def init_distributed(device: str = "auto", replicas: int = 1, timeout_s: int = 1800) -> tuple[int, int, torch.device]:
-    """Start the process group on `device` (auto, cuda or cpu); returns (rank, world_size, device). Without torchrun
-    (no RANK) this process is a world of one, so FSDP2 and every collective run through the same code. On CUDA: nccl
-    for CUDA tensors, gloo for CPU ones (object collectives, barriers, DCP). replicas: checked to divide the world."""
+def init_distributed(
+    device: str = "auto", replicas: int = 1, timeout_s: int = 1800
+) -> tuple[int, int, torch.device]:
+    """Start the process group on `device` (auto, cuda or cpu); returns (rank, world_size, device).
+    Without torchrun (no RANK) this process is a world of one, so FSDP2 and every collective run
+    through the same code. On CUDA: nccl for CUDA tensors, gloo for CPU ones (object collectives,
+    barriers, DCP). replicas: checked to divide the world."""
     if device not in ("auto", "cuda", "cpu"):
         raise ValueError(f"--device {device!r} is not one of auto, cuda, cpu")
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -75,25 +97,40 @@ def init_distributed(device: str = "auto", replicas: int = 1, timeout_s: int = 1
     device = torch.device("cuda", _local_gpu()) if cuda else torch.device("cpu")
     backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
     if cuda:
-        # Before the first allocation: segments grow in place instead of fragmenting under varying batch shapes.
+        # Before the first allocation: segments grow in place instead of fragmenting under varying
+        # batch shapes.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         torch.cuda.set_device(device)
-        torch.cuda.reset_peak_memory_stats(device)  # the peak is this run's, also after an earlier one in this process
-        # cuDNN attention (SDPA's pick on Hopper) plans on the host for each new padded length; flash needs no plan.
+        torch.cuda.reset_peak_memory_stats(
+            device
+        )  # the peak is this run's, also after an earlier one in this process
+        # cuDNN attention (SDPA's pick on Hopper) plans on the host for each new padded length;
+        # flash needs no plan.
         torch.backends.cuda.enable_cudnn_sdp(False)
     device_id = device if cuda else None
-    if "RANK" in os.environ:  # keys of its own, not an earlier group's in this process: main() may run again
+    if (
+        "RANK" in os.environ
+    ):  # keys of its own, not an earlier group's in this process: main() may run again
         store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
-        dist.init_process_group(backend, store=dist.PrefixStore(f"dpo/{next(_groups)}", store), rank=rank,
-                                world_size=world, timeout=timedelta(seconds=timeout_s), device_id=device_id)
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"dpo/{next(_groups)}", store),
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device_id,
+        )
     else:  # a HashStore needs no free port, so two single-process runs on one machine never collide
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id
+        )
     return dist.get_rank(), dist.get_world_size(), device
 
 
 def on_rank0(fn, share: bool = True):
-    """fn() on rank 0 alone; its result (share=False: None elsewhere) or failure (a ValueError as one, any other as a
-    RuntimeError) reaches every rank. The others wait on the store: a collective could time out in a long rank-0 job."""
+    """fn() on rank 0 alone; its result (share=False: None elsewhere) or failure (a ValueError as
+    one, any other as a RuntimeError) reaches every rank. The others wait on the store: a collective
+    could time out in a long rank-0 job."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return fn()
     key = f"dpo/on_rank0/{next(_rank0_calls)}"
@@ -101,8 +138,12 @@ def on_rank0(fn, share: bool = True):
     if dist.get_rank() == 0:
         try:
             result = fn()
-        except BaseException as e:  # the other ranks must hear of any failure (Ctrl-C too), or they wait on
-            store.set(key, pickle.dumps((None, str(e) or type(e).__name__, isinstance(e, ValueError))))
+        except (
+            BaseException
+        ) as e:  # the other ranks must hear of any failure (Ctrl-C too), or they wait on
+            store.set(
+                key, pickle.dumps((None, str(e) or type(e).__name__, isinstance(e, ValueError)))
+            )
             raise
         store.set(key, pickle.dumps((result if share else None, None, False)))
         return result
@@ -114,27 +155,37 @@ def on_rank0(fn, share: bool = True):
 
 
 def _local_gpu() -> int:
-    """This process's GPU: LOCAL_RANK, or 0 when a launcher (SLURM, Kubernetes) shows it one (CUDA_VISIBLE_DEVICES)."""
+    """This process's GPU: LOCAL_RANK, or 0 when a launcher (SLURM, Kubernetes) shows it one
+    (CUDA_VISIBLE_DEVICES)."""
     local_rank, visible = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
     if visible == 1 and os.environ.get("CUDA_VISIBLE_DEVICES"):
         return 0
     if local_rank >= visible:
-        raise ValueError(f"LOCAL_RANK {local_rank} but this process sees only {visible} GPUs: start at most "
-                         f"{visible} processes per node, or show each process its own GPU (CUDA_VISIBLE_DEVICES)")
+        raise ValueError(
+            f"LOCAL_RANK {local_rank} but this process sees only {visible} GPUs: start at most "
+            f"{visible} processes per node, or show each process its own GPU (CUDA_VISIBLE_DEVICES)"
+        )
     return local_rank
 
 
 def find_block_class(model: nn.Module) -> type[nn.Module]:
-    """The transformer block class: named in `_no_split_modules`, else the longest ModuleList of one class's layers."""
+    """The transformer block class: named in `_no_split_modules`, else the longest ModuleList of one
+    class's layers."""
     names = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():
         if type(module).__name__ in names:
             return type(module)
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len({type(x) for x in m}) == 1]
+    lists = [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.ModuleList) and len({type(x) for x in m}) == 1
+    ]
     if lists:
         return type(max(lists, key=len)[0])
-    raise ValueError(f"no transformer block class found in {type(model).__name__}: it has no _no_split_modules "
-                     "and no ModuleList of repeated layers to shard or checkpoint")
+    raise ValueError(
+        f"no transformer block class found in {type(model).__name__}: it has no _no_split_modules "
+        "and no ModuleList of repeated layers to shard or checkpoint"
+    )
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -143,21 +194,34 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_ac(model: nn.Module) -> None:
-    """Non-reentrant activation checkpointing on each transformer block, in place (names and state-dict keys
-    unchanged). Apply before apply_fsdp, so the recomputation re-gathers parameters through FSDP's hooks."""
+    """Non-reentrant activation checkpointing on each transformer block, in place (names and
+    state-dict keys unchanged). Apply before apply_fsdp, so the recomputation re-gathers parameters
+    through FSDP's hooks."""
     for block in _blocks(model):
         checkpoint(block)
 
 
-def build_sharded(make_model, weights: dict[str, torch.Tensor], mp_policy: MixedPrecisionPolicy, device: torch.device,
-                  config: FSDPConfig, frozen: bool = False) -> nn.Module:
-    """make_model() (parameters on the meta device), checkpointed (unless frozen: a reference) and compiled as `config`
-    asks, sharded, each rank's shards read from `weights`. Never-changing weights (frozen, LoRA's base) get no float32
-    master."""
+def build_sharded(
+    make_model,
+    weights: dict[str, torch.Tensor],
+    mp_policy: MixedPrecisionPolicy,
+    device: torch.device,
+    config: FSDPConfig,
+    frozen: bool = False,
+) -> nn.Module:
+    """make_model() (parameters on the meta device), checkpointed (unless frozen: a reference) and
+    compiled as `config` asks, sharded, each rank's shards read from `weights`. Never-changing
+    weights (frozen, LoRA's base) get no float32 master."""
     if config.unsharded_grad_accumulation and mp_policy.reduce_dtype == torch.bfloat16:
-        raise ValueError("--unsharded-grad-accumulation sums micro-batch gradients in bf16: use --reduce-dtype fp32")
+        raise ValueError(
+            "--unsharded-grad-accumulation sums micro-batch gradients in bf16: use --reduce-dtype "
+            "fp32"
+        )
     if config.cpu_offload and device.type == "cuda" and mp_policy.param_dtype == torch.float16:
-        raise ValueError("--cpu-offload: fp16's loss scaler is not checked on host gradients; use --precision bf16")
+        raise ValueError(
+            "--cpu-offload: fp16's loss scaler is not checked on host gradients; use --precision "
+            "bf16"
+        )
     model = make_model()
     if mp_policy.param_dtype is not None:
         for param in model.parameters():
@@ -166,25 +230,47 @@ def build_sharded(make_model, weights: dict[str, torch.Tensor], mp_policy: Mixed
     if config.activation_checkpointing and not frozen:
         apply_ac(model)
     if config.compile:
-        # After checkpointing, to compile the recomputation too; before FSDP, keeping its hooks out of the graph.
+        # After checkpointing, to compile the recomputation too; before FSDP, keeping its hooks out
+        # of the graph.
         for block in _blocks(model):
             block.compile(dynamic=True)
-    apply_fsdp(model, mp_policy, device, frozen=frozen, reshard_after_forward=config.reshard_after_forward,
-               replicas=config.replicas, offload=config.cpu_offload and not frozen)
+    apply_fsdp(
+        model,
+        mp_policy,
+        device,
+        frozen=frozen,
+        reshard_after_forward=config.reshard_after_forward,
+        replicas=config.replicas,
+        offload=config.cpu_offload and not frozen,
+    )
     load_sharded(model, weights, device, config.cpu_offload and not frozen)
     return model
 
 
-def apply_fsdp(model: nn.Module, mp_policy: MixedPrecisionPolicy, device: torch.device, frozen: bool = False,
-               reshard_after_forward: bool = True, replicas: int = 1, offload: bool = False) -> nn.Module:
-    """Shard `model` in place with FSDP2 on `device`: each transformer block, then the root with the rest (ties kept).
-    frozen: a reference (no gradients, eval mode), always resharded. replicas=R > 1: HSDP, an (R, world/R) mesh."""
+def apply_fsdp(
+    model: nn.Module,
+    mp_policy: MixedPrecisionPolicy,
+    device: torch.device,
+    frozen: bool = False,
+    reshard_after_forward: bool = True,
+    replicas: int = 1,
+    offload: bool = False,
+) -> nn.Module:
+    """Shard `model` in place with FSDP2 on `device`: each transformer block, then the root with the
+    rest (ties kept). frozen: a reference (no gradients, eval mode), always resharded. replicas=R >
+    1: HSDP, an (R, world/R) mesh."""
     world = dist.get_world_size()
     # An explicit mesh: FSDP2's default takes CUDA whenever a GPU is visible, even for a CPU model.
-    mesh = init_device_mesh(device.type, (world,)) if replicas == 1 else _hsdp_mesh(device.type, replicas)
+    mesh = (
+        init_device_mesh(device.type, (world,))
+        if replicas == 1
+        else _hsdp_mesh(device.type, replicas)
+    )
     if frozen:
         model.requires_grad_(False).eval()
-    policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()  # offload: on the host
+    policy = (
+        CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+    )  # offload: on the host
     shard = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": policy}
     for block in _blocks(model):
         fully_shard(block, reshard_after_forward=reshard_after_forward or frozen, **shard)
@@ -194,19 +280,24 @@ def apply_fsdp(model: nn.Module, mp_policy: MixedPrecisionPolicy, device: torch.
 
 
 def _hsdp_mesh(device_type: str, replicas: int):
-    """One mesh per process group, shared by the policy and the reference: each subgroup costs communicators."""
+    """One mesh per process group, shared by the policy and the reference: each subgroup costs
+    communicators."""
     key = (dist.group.WORLD, device_type, replicas)
     if key not in _meshes:
         _meshes.clear()
-        _meshes[key] = init_device_mesh(device_type, (replicas, dist.get_world_size() // replicas),
-                                        mesh_dim_names=("replicate", "shard"))
+        _meshes[key] = init_device_mesh(
+            device_type,
+            (replicas, dist.get_world_size() // replicas),
+            mesh_dim_names=("replicate", "shard"),
+        )
     return _meshes[key]
 
 
 @contextlib.contextmanager
 def inference(model: nn.Module):
-    """Eval mode and no autograd for forward-only passes; then the previous mode back and the root resharded,
-    which FSDP2 keeps gathered after forward for a backward, while the optimizer and checkpoints need shards."""
+    """Eval mode and no autograd for forward-only passes; then the previous mode back and the root
+    resharded, which FSDP2 keeps gathered after forward for a backward, while the optimizer and
+    checkpoints need shards."""
     was_training = model.training
     model.eval()
     try:
@@ -217,16 +308,22 @@ def inference(model: nn.Module):
         model.reshard()
 
 
-def load_sharded(model: nn.Module, weights: dict[str, torch.Tensor], device: torch.device, offload: bool = False):
-    """Materialise a sharded meta-device model on `device` (offload: its shards on the host), each rank copying only
-    its own rows of each parameter from `weights` (full CPU tensors by name, e.g. memory-mapped files, any dtype):
-    no rank holds the whole model. Buffers keep the values the model was built with (computed, not saved)."""
+def load_sharded(
+    model: nn.Module, weights: dict[str, torch.Tensor], device: torch.device, offload: bool = False
+):
+    """Materialise a sharded meta-device model on `device` (offload: its shards on the host), each
+    rank copying only its own rows of each parameter from `weights` (full CPU tensors by name, e.g.
+    memory-mapped files, any dtype): no rank holds the whole model. Buffers keep the values the
+    model was built with (computed, not saved)."""
     built = [(module, dict(module._buffers)) for module in model.modules()]
     model.to_empty(device="cpu" if offload else device)
     for module, buffers in built:  # offloaded: the buffers still go where forward runs
         module._buffers.update({k: b.to(device) for k, b in buffers.items() if b is not None})
     persistent = model.state_dict().keys()
-    for name, buf in model.named_buffers():  # a persistent buffer the files hold (a trained bias): theirs
+    for (
+        name,
+        buf,
+    ) in model.named_buffers():  # a persistent buffer the files hold (a trained bias): theirs
         if name in weights and name in persistent:
             buf.copy_(weights[name])
     with torch.no_grad():
@@ -234,14 +331,22 @@ def load_sharded(model: nn.Module, weights: dict[str, torch.Tensor], device: tor
             full = weights.get(name)
             if full is None or full.shape != param.shape:
                 found = "missing" if full is None else f"of shape {list(full.shape)}"
-                raise ValueError(f"--model: its weight {name} of shape {list(param.shape)} is {found} in its files")
+                raise ValueError(
+                    f"--model: its weight {name} of shape {list(param.shape)} is {found} in its "
+                    "files"
+                )
             local = param.to_local() if isinstance(param, DTensor) else param
             local.copy_(full[_local_rows(param)])
 
 
 def _local_rows(param: torch.Tensor) -> slice:
-    """The rows of the full tensor this rank holds: FSDP2 shards dim 0 as torch.chunk does; all of them if unsharded."""
-    shard = [dim for dim, placement in enumerate(getattr(param, "placements", ())) if placement.is_shard(0)]
+    """The rows of the full tensor this rank holds: FSDP2 shards dim 0 as torch.chunk does; all of
+    them if unsharded."""
+    shard = [
+        dim
+        for dim, placement in enumerate(getattr(param, "placements", ()))
+        if placement.is_shard(0)
+    ]
     if not shard:
         return slice(None)
     rows, mesh = param.shape[0], param.device_mesh
@@ -250,9 +355,12 @@ def _local_rows(param: torch.Tensor) -> slice:
     return slice(start, min(start + per_rank, rows))
 
 
-def full_tensors(model: nn.Module, device: torch.device) -> list[tuple[str, torch.Tensor, Callable]]:
-    """Each state-dict tensor of `model` once (a tied weight under its first name) as (name, tensor, fetch): fetch()
-    gathers the full tensor on `device`, one at a time, on every rank (a collective: all ranks fetch, in order)."""
+def full_tensors(
+    model: nn.Module, device: torch.device
+) -> list[tuple[str, torch.Tensor, Callable]]:
+    """Each state-dict tensor of `model` once (a tied weight under its first name) as (name, tensor,
+    fetch): fetch() gathers the full tensor on `device`, one at a time, on every rank (a collective:
+    all ranks fetch, in order)."""
     entries, seen = [], set()
     for name, tensor in model.state_dict(keep_vars=True).items():
         if id(tensor) not in seen:
@@ -263,26 +371,37 @@ def full_tensors(model: nn.Module, device: torch.device) -> list[tuple[str, torc
 
 @torch.no_grad()
 def mix_into(target: nn.Module, source: nn.Module, alpha: float) -> None:
-    """target = alpha source + (1 - alpha) target, each rank on its own shards of two models sharded alike, in target's
-    dtype (TR-DPO's reference sync; as TRL: target.mul_(1 - alpha).add_(source, alpha=alpha))."""
-    for (name, mine), (other, theirs) in zip(target.named_parameters(), source.named_parameters(), strict=True):
+    """target = alpha source + (1 - alpha) target, each rank on its own shards of two models sharded
+    alike, in target's dtype (TR-DPO's reference sync; as TRL: target.mul_(1 - alpha).add_(source,
+    alpha=alpha))."""
+    for (name, mine), (other, theirs) in zip(
+        target.named_parameters(), source.named_parameters(), strict=True
+    ):
         if name != other:
-            raise ValueError(f"mix_into: {name} meets {other}: the two models must have the same parameters")
+            raise ValueError(
+                f"mix_into: {name} meets {other}: the two models must have the same parameters"
+            )
         local = mine.to_local() if isinstance(mine, DTensor) else mine
         source_local = theirs.to_local() if isinstance(theirs, DTensor) else theirs
-        local.mul_(1 - alpha).add_(source_local.to(local.device), alpha=alpha)  # an offloaded source: from the host
+        local.mul_(1 - alpha).add_(
+            source_local.to(local.device), alpha=alpha
+        )  # an offloaded source: from the host
 
 
 def _full_tensor(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if not isinstance(tensor, DTensor):
         return tensor.detach().to(device)
-    local = tensor.to_local().detach().to(device)  # offloaded shards gather on the device, where nccl can
-    return DTensor.from_local(local, tensor.device_mesh, tensor.placements, shape=tensor.shape,
-                              stride=tensor.stride()).full_tensor()
+    local = (
+        tensor.to_local().detach().to(device)
+    )  # offloaded shards gather on the device, where nccl can
+    return DTensor.from_local(
+        local, tensor.device_mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride()
+    ).full_tensor()
 
 
 def save_files(folder: str, tokenizer=None, extra: dict | None = None) -> None:
-    """The tokenizer's files and each {file name: JSON-able} of `extra`, into `folder`: call on one rank."""
+    """The tokenizer's files and each {file name: JSON-able} of `extra`, into `folder`: call on one
+    rank."""
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     for name, obj in (extra or {}).items():
@@ -291,8 +410,9 @@ def save_files(folder: str, tokenizer=None, extra: dict | None = None) -> None:
 
 
 def exit_without_shutdown(code: int | str | None) -> None:
-    """Exit now with sys.exit's `code`, skipping interpreter shutdown, where a gloo thread still releasing a
-    collective's tensors can abort (SIGABRT) a run that wrote everything. Files are closed and flushed by then."""
+    """Exit now with sys.exit's `code`, skipping interpreter shutdown, where a gloo thread still
+    releasing a collective's tensors can abort (SIGABRT) a run that wrote everything. Files are
+    closed and flushed by then."""
     if isinstance(code, str):  # sys.exit("message") prints it
         print(code, file=sys.stderr)
     sys.stdout.flush()

@@ -1,12 +1,16 @@
-"""LoRA through peft: low-rank adapters train while the base model stays frozen, and the base model itself
-(the adapters switched off) is DPO's reference, so LoRA DPO holds one model's weights, not two.
-Copyable on its own: imports only the standard library and torch; peft when adapters are asked for.
+"""LoRA through peft: low-rank adapters train while the base model stays frozen, and the base model
+itself (the adapters switched off) is DPO's reference, so LoRA DPO holds one model's weights, not
+two. Copyable on its own: imports only the standard library and torch; peft when adapters are asked
+for.
 
-    model = add_adapters(model, LoraConfig(lora_rank=16), block_class)  # a peft model: only adapters train
-    reference = WithoutAdapters(model)                    # the base model: peft's disable_adapter() per call
+    # a peft model: only the adapters train
+    model = add_adapters(model, LoraConfig(lora_rank=16), block_class)
+    reference = WithoutAdapters(model)  # the base model: peft's disable_adapter() per call
     save_adapters(model, folder, adapters, base_model=None)  # rank 0: a peft adapter folder
-    weights = initial_weights(model, base_weights)      # by the peft model's names: what to load, adapters too
-    entries = merged_entries(model, entries)              # W + (alpha / rank) B A, under the base model's names
+    # by the peft model's names: what to load, adapters too
+    weights = initial_weights(model, base_weights)
+    # W + (alpha / rank) B A, under the base model's names
+    entries = merged_entries(model, entries)
 """
 
 import functools
@@ -21,19 +25,22 @@ from torch import nn
 @dataclass
 class LoraConfig:
     lora_rank: int = 0
-    """LoRA: train rank-R adapters (through peft) on --lora-targets, the base weights frozen in the compute dtype;
-    the reference is the same model with its adapters off, not a second copy. 0: full fine-tuning."""
+    """LoRA: train rank-R adapters (through peft) on --lora-targets, the base weights frozen in the
+    compute dtype; the reference is the same model with its adapters off, not a second copy. 0: full
+    fine-tuning."""
     lora_alpha: float = 16.0
     """Adapter scale: an adapted weight is W + (alpha / rank) B A."""
     lora_targets: tuple[str, ...] = ()
-    """Modules to adapt, as peft's target_modules: a name matches itself and every module path ending in
-    ".name" (q_proj v_proj). Default: every linear layer inside the transformer blocks."""
+    """Modules to adapt, as peft's target_modules: a name matches itself and every module path
+    ending in ".name" (q_proj v_proj). Default: every linear layer inside the transformer blocks."""
     lora_dropout: float = 0.0
-    """Dropout on the adapters' input; off by default, like the model's own. Needs --dropout (train mode)."""
+    """Dropout on the adapters' input; off by default, like the model's own. Needs --dropout (train
+    mode)."""
     export_merged: bool = False
-    """With --lora-rank: export {out_dir}/final as a Hugging Face model with the adapters merged into its
-    weights, instead of a peft adapter folder. The base is merged as held: with --precision bf16 or fp16, its
-    weights rounded to that dtype (for float32 ones, merge the adapter folder into a float32 base with peft)."""
+    """With --lora-rank: export {out_dir}/final as a Hugging Face model with the adapters merged
+    into its weights, instead of a peft adapter folder. The base is merged as held: with --precision
+    bf16 or fp16, its weights rounded to that dtype (for float32 ones, merge the adapter folder into
+    a float32 base with peft)."""
 
     def __post_init__(self):
         if self.lora_rank < 0:
@@ -43,40 +50,62 @@ class LoraConfig:
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
         if self.export_merged and not self.lora_rank:
-            raise ValueError("--export-merged needs --lora-rank (full fine-tuning always exports merged weights)")
-        if self.lora_rank and importlib.util.find_spec("peft") is None:  # the one check; later imports are lazy
+            raise ValueError(
+                "--export-merged needs --lora-rank (full fine-tuning always exports merged weights)"
+            )
+        if (
+            self.lora_rank and importlib.util.find_spec("peft") is None
+        ):  # the one check; later imports are lazy
             raise ValueError("--lora-rank needs the peft package: pip install peft")
 
 
-def add_adapters(model: nn.Module, config: LoraConfig, block_class: type[nn.Module], seed: int = 0) -> nn.Module:
-    """`model` (a Hugging Face causal LM) as a peft model with LoRA adapters on config.lora_targets (default: every
-    nn.Linear in a `block_class` module), all else frozen. The adapters are made on the CPU whatever the base's
-    device (the meta device too), as peft initializes them (B zero: the model computes what it did), drawn from a
-    generator seeded by `seed`, the global one untouched."""
+def add_adapters(
+    model: nn.Module, config: LoraConfig, block_class: type[nn.Module], seed: int = 0
+) -> nn.Module:
+    """`model` (a Hugging Face causal LM) as a peft model with LoRA adapters on config.lora_targets
+    (default: every nn.Linear in a `block_class` module), all else frozen. The adapters are made on
+    the CPU whatever the base's device (the meta device too), as peft initializes them (B zero: the
+    model computes what it did), drawn from a generator seeded by `seed`, the global one
+    untouched."""
     import peft
 
     targets = list(config.lora_targets) or _block_linears(model, block_class)
-    lora = peft.LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                           target_modules=targets, task_type="CAUSAL_LM")
+    lora = peft.LoraConfig(
+        r=config.lora_rank,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         torch.manual_seed(seed)
-        # peft asks transformers 5 for a renamed attribute; the warning is theirs, not the user's to act on.
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        # peft asks transformers 5 for a renamed attribute; the warning is theirs, not the user's to
+        # act on.
+        warnings.filterwarnings(
+            "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
+        )
         try:
             model = peft.get_peft_model(model, lora)
-        except ValueError as e:  # peft's "Target modules {...} not found in the base model", as a one-liner
-            raise ValueError(f"--lora-targets {' '.join(targets)}: {str(e).splitlines()[0]}") from None
+        except (
+            ValueError
+        ) as e:  # peft's "Target modules {...} not found in the base model", as a one-liner
+            raise ValueError(
+                f"--lora-targets {' '.join(targets)}: {str(e).splitlines()[0]}"
+            ) from None
         for module in model.modules():
             if isinstance(module, peft.tuners.lora.LoraLayer):
-                for name in module.adapter_layer_names:  # peft put them on the base's device: made anew here
+                for name in (
+                    module.adapter_layer_names
+                ):  # peft put them on the base's device: made anew here
                     getattr(module, name).to_empty(device="cpu")
                 module.reset_lora_parameters("default", True)
     return model
 
 
 def initial_weights(model: nn.Module, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What to load into the peft `model` (from add_adapters, e.g. on the meta device), by its own names: the
-    adapters as drawn, and the `base` model's weights, given by the base model's names."""
+    """What to load into the peft `model` (from add_adapters, e.g. on the meta device), by its own
+    names: the adapters as drawn, and the `base` model's weights, given by the base model's
+    names."""
     weights = {}
     for name, param in model.named_parameters():
         if ".lora_" in name:
@@ -92,29 +121,43 @@ def _base_name(name: str) -> str:
 
 
 def _block_linears(model: nn.Module, block_class: type[nn.Module]) -> list[str]:
-    """The names of the linear layers inside the blocks: their last name part (q_proj, ...), or their full
-    paths where a linear layer outside the blocks shares one (peft would match it too)."""
-    inside = {f"{name}.{sub}" for name, block in model.named_modules() if isinstance(block, block_class)
-              for sub, m in block.named_modules() if isinstance(m, nn.Linear)}
-    outside = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)
-               and name not in inside}
+    """The names of the linear layers inside the blocks: their last name part (q_proj, ...), or
+    their full paths where a linear layer outside the blocks shares one (peft would match it
+    too)."""
+    inside = {
+        f"{name}.{sub}"
+        for name, block in model.named_modules()
+        if isinstance(block, block_class)
+        for sub, m in block.named_modules()
+        if isinstance(m, nn.Linear)
+    }
+    outside = {
+        name.rsplit(".", 1)[-1]
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and name not in inside
+    }
     short = {name.rsplit(".", 1)[-1] for name in inside}
     return sorted(short) if not short & outside else sorted(inside)
 
 
 class WithoutAdapters:
-    """A peft model with its adapters off, as DPO's reference: calls run it under peft's disable_adapter() in eval
-    mode (no dropout, as a frozen copy would be); every other attribute is the model's own."""
+    """A peft model with its adapters off, as DPO's reference: calls run it under peft's
+    disable_adapter() in eval mode (no dropout, as a frozen copy would be); every other attribute is
+    the model's own."""
 
     def __init__(self, model: nn.Module):
         self.model = model
 
     def __call__(self, *args, **kwargs):
-        trained, training = [p for p in self.model.parameters() if p.requires_grad], self.model.training
+        trained, training = (
+            [p for p in self.model.parameters() if p.requires_grad],
+            self.model.training,
+        )
         with self.model.disable_adapter():
-            # peft also sets the adapters' requires_grad to False in here. FSDP2 reads requires_grad on its
-            # first forward to pick each group's gradient reduce dtype, and finding no trained weight it would
-            # keep bf16 gradients, which then cannot be assigned to the float32 adapters: so put it back.
+            # peft also sets the adapters' requires_grad to False in here. FSDP2 reads requires_grad
+            # on its first forward to pick each group's gradient reduce dtype, and finding no
+            # trained weight it would keep bf16 gradients, which then cannot be assigned to the
+            # float32 adapters: so put it back.
             for p in trained:
                 p.requires_grad_(True)
             try:
@@ -127,40 +170,59 @@ class WithoutAdapters:
 
 
 def check_mergeable(model: nn.Module) -> None:
-    """Raise ValueError unless merged_entries can fold every adapter into a weight: LoRA on nn.Linear layers only."""
+    """Raise ValueError unless merged_entries can fold every adapter into a weight: LoRA on
+    nn.Linear layers only."""
     import peft
 
     for name, module in model.named_modules():
-        if isinstance(module, peft.tuners.lora.LoraLayer) and not isinstance(module, peft.tuners.lora.Linear):
-            raise ValueError(f"--export-merged merges adapters on linear layers only; "
-                             f"{name.removeprefix('base_model.model.')} is a {type(module).__name__}")
+        if isinstance(module, peft.tuners.lora.LoraLayer) and not isinstance(
+            module, peft.tuners.lora.Linear
+        ):
+            raise ValueError(
+                "--export-merged merges adapters on linear layers only; "
+                f"{name.removeprefix('base_model.model.')} is a {type(module).__name__}"
+            )
 
 
 def merged_entries(model: nn.Module, entries: list) -> list:
-    """fsdp_setup.full_tensors' (name, tensor, fetch) of the peft `model` as its Hugging Face model's: each adapted
-    weight W fetched as W + (alpha / rank) B A in float32, under the base model's names; the adapters dropped."""
+    """fsdp_setup.full_tensors' (name, tensor, fetch) of the peft `model` as its Hugging Face
+    model's: each adapted weight W fetched as W + (alpha / rank) B A in float32, under the base
+    model's names; the adapters dropped."""
     import peft
 
     fetches = {name: fetch for name, _, fetch in entries}
-    layers = {f"{name}.base_layer.weight": module for name, module in model.named_modules()
-              if isinstance(module, peft.tuners.lora.Linear)}
+    layers = {
+        f"{name}.base_layer.weight": module
+        for name, module in model.named_modules()
+        if isinstance(module, peft.tuners.lora.Linear)
+    }
     merged = []
     for name, tensor, fetch in entries:
         if name in layers:
-            fetch = functools.partial(_merged_weight, layers[name], name.removesuffix(".base_layer.weight"), fetches)
+            fetch = functools.partial(
+                _merged_weight, layers[name], name.removesuffix(".base_layer.weight"), fetches
+            )
         if ".lora_" not in name:
             merged.append((_base_name(name), tensor, fetch))
     return merged
 
 
 def _merged_weight(layer: nn.Module, prefix: str, fetches: dict) -> torch.Tensor:
-    a, b = fetches[f"{prefix}.lora_A.default.weight"](), fetches[f"{prefix}.lora_B.default.weight"]()
+    a, b = (
+        fetches[f"{prefix}.lora_A.default.weight"](),
+        fetches[f"{prefix}.lora_B.default.weight"](),
+    )
     delta = layer.scaling["default"] * (b.float() @ a.float())  # (out, in)
-    return fetches[f"{prefix}.base_layer.weight"]().float() + (delta.T if layer.fan_in_fan_out else delta)
+    return fetches[f"{prefix}.base_layer.weight"]().float() + (
+        delta.T if layer.fan_in_fan_out else delta
+    )
 
 
-def save_adapters(model: nn.Module, folder: str, adapters: dict[str, torch.Tensor], base_model: str | None) -> None:
-    """Write peft's adapter folder of the gathered `adapters` (on one rank), naming `base_model`, if any, as base."""
+def save_adapters(
+    model: nn.Module, folder: str, adapters: dict[str, torch.Tensor], base_model: str | None
+) -> None:
+    """Write peft's adapter folder of the gathered `adapters` (on one rank), naming `base_model`, if
+    any, as base."""
     if base_model:
         model.peft_config["default"].base_model_name_or_path = base_model
     model.save_pretrained(folder, state_dict=adapters)

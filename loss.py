@@ -2,20 +2,25 @@
 
 Copyable on its own: imports only the standard library and torch.
 
-    logps = sequence_logps(logits, labels)                  # (2B,) float32; labels -100 where not scored
-    losses, chosen_rewards, rejected_rewards = preference_loss(*logps.chunk(2), *ref_logps.chunk(2), "dpo")
+    logps = sequence_logps(logits, labels)  # (2B,) float32; labels -100 where not scored
+    losses, chosen_rewards, rejected_rewards = preference_loss(
+        *logps.chunk(2), *ref_logps.chunk(2), "dpo"
+    )
 
-A Hugging Face causal LM can skip the logits: give it a ScoredHead once, then score a batches.PairBatch's responses:
+A Hugging Face causal LM can skip the logits: give it a ScoredHead once, then score a
+batches.PairBatch's responses:
 
-    add_scored_head(model)                                  # before sharding; state-dict names unchanged
-    logps = response_logps(model, batch)                    # (2B,) float32, [chosen; rejected]
-    logps, ref_logps, log_weights = pair_logps(policy, reference, batch, LossConfig())  # the reference's first
-    out = pair_loss(logps, ref_logps, batch.response_lengths, LossConfig(), log_weights=log_weights)  # per pair
+    add_scored_head(model)  # before sharding; state-dict names unchanged
+    logps = response_logps(model, batch)  # (2B,) float32, [chosen; rejected]
+    # both models' log-probs (the reference's first), then each pair's loss
+    logps, ref_logps, log_weights = pair_logps(policy, reference, batch, LossConfig())
+    out = pair_loss(logps, ref_logps, batch.response_lengths, LossConfig(), log_weights=log_weights)
 
 References
 - DPO: Rafailov et al. 2023, https://arxiv.org/abs/2305.18290 (Eq. 7).
 - cDPO: Mitchell 2023, https://ericmitchell.ai/cdpo.pdf
-- IPO: Azar et al. 2023, https://arxiv.org/abs/2310.12036 (Eq. 17, on summed log-probs; see --ipo-logps).
+- IPO: Azar et al. 2023, https://arxiv.org/abs/2310.12036 (Eq. 17, on summed log-probs; see
+  --ipo-logps).
 - Hinge (SLiC): Zhao et al. 2023, https://arxiv.org/abs/2305.10425 (Eq. 2, with delta = 1).
 - Robust DPO: Chowdhury et al. 2024, https://arxiv.org/abs/2403.00409 (Eq. 8).
 - SimPO: Meng et al. 2024, https://arxiv.org/abs/2405.14734 (Eq. 6).
@@ -27,9 +32,12 @@ References
 - DiscoPOP: Lu et al. 2024, https://arxiv.org/abs/2406.08414 (Eq. 5).
 - AOT: Melnyk et al. 2024, https://arxiv.org/abs/2406.05882.
 - Length-normalised DPO (Tulu 3): Lambert et al. 2024, https://arxiv.org/abs/2411.15124.
-- RPO (DPO + NLL): Pang et al. 2024, https://arxiv.org/abs/2404.19733. MPO: https://arxiv.org/abs/2411.10442.
-- f-DPO: Wang et al. 2023, https://arxiv.org/abs/2309.16240. WPO: Zhou et al. 2024, https://arxiv.org/abs/2406.11827.
-- LD-DPO: Liu et al. 2024, https://arxiv.org/abs/2409.06411. TR-DPO: https://arxiv.org/abs/2404.09656 (mix_into).
+- RPO (DPO + NLL): Pang et al. 2024, https://arxiv.org/abs/2404.19733.
+- MPO: https://arxiv.org/abs/2411.10442.
+- f-DPO: Wang et al. 2023, https://arxiv.org/abs/2309.16240.
+- WPO: Zhou et al. 2024, https://arxiv.org/abs/2406.11827.
+- LD-DPO: Liu et al. 2024, https://arxiv.org/abs/2409.06411.
+- TR-DPO: Gorbatovski et al. 2024, https://arxiv.org/abs/2404.09656 (fsdp_setup.mix_into).
 """
 
 import math
@@ -40,54 +48,94 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-LossType = Literal["dpo", "ipo", "hinge", "robust", "simpo", "exo_pair", "nca_pair", "bco_pair", "sppo_hard",
-                   "apo_zero", "apo_down", "discopop", "aot", "aot_pair", "dpo_norm", "sft"]
+LossType = Literal[
+    "dpo",
+    "ipo",
+    "hinge",
+    "robust",
+    "simpo",
+    "exo_pair",
+    "nca_pair",
+    "bco_pair",
+    "sppo_hard",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "aot",
+    "aot_pair",
+    "dpo_norm",
+    "sft",
+]
 IGNORE_INDEX = -100
 
-# The fused output layer runs on GPUs, where memory is what runs out (long pairs); on a CPU its recomputation
-# in backward costs more time than the memory it saves is worth (BENCHMARKS.md).
+# The fused output layer runs on GPUs, where memory is what runs out (long pairs); on a CPU its
+# recomputation in backward costs more time than the memory it saves is worth (BENCHMARKS.md).
 FUSED_HEAD_ON_CPU = False
 _REFERENCE_FREE = {"simpo", "sft"}  # losses that never look at a reference model
 _AVERAGED = {"simpo", "dpo_norm"}  # losses defined on length-averaged log-probs
-_F_DIVERGENCE = {"dpo", "dpo_norm", "ipo", "hinge", "robust", "exo_pair", "discopop", "sft"}  # f-DPO's loss forms
-_LOGIT_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling")  # model configs that reshape logits
+_F_DIVERGENCE = {
+    "dpo",
+    "dpo_norm",
+    "ipo",
+    "hinge",
+    "robust",
+    "exo_pair",
+    "discopop",
+    "sft",
+}  # f-DPO's loss forms
+_LOGIT_EXTRAS = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "logits_scaling",
+)  # model configs that reshape logits
 
 
 @dataclass
 class LossConfig:
     loss: tuple[LossType, ...] = ()
-    """dpo (the default; cDPO with --label-smoothing), a DPO-family loss (see loss.py), or sft (chosen token-mean NLL).
-    Repeat for a weighted sum (TRL's loss_type list; MPO: --loss dpo --loss bco_pair --loss sft). simpo and sft are
-    reference-free."""
+    """dpo (the default; cDPO with --label-smoothing), a DPO-family loss (see loss.py), or sft
+    (chosen token-mean NLL). Repeat for a weighted sum (TRL's loss_type list; MPO: --loss dpo --loss
+    bco_pair --loss sft). simpo and sft are reference-free."""
     loss_weights: tuple[float, ...] = ()
-    """One weight per --loss, in order (default 1 each): the loss is the weighted sum of each loss's batch mean.
-    RPO is --loss dpo --loss sft --loss-weights 1 --loss-weights alpha."""
+    """One weight per --loss, in order (default 1 each): the loss is the weighted sum of each loss's
+    batch mean. RPO is --loss dpo --loss sft --loss-weights 1 --loss-weights alpha."""
     beta: float = 0.1
     """Inverse temperature: how far the policy may move from the reference (DPO's beta)."""
     label_smoothing: float = 0.0
-    """Assumed share of flipped preference labels, in [0, 0.5): cDPO for dpo, the noise rate for robust."""
+    """Assumed share of flipped preference labels, in [0, 0.5): cDPO for dpo, the noise rate for
+    robust."""
     simpo_gamma: float = 0.5
     """SimPO's target reward margin (gamma), used only with --loss simpo."""
     discopop_tau: float = 0.05
-    """DiscoPOP's temperature of the mix between its logistic and exponential parts, only with --loss discopop."""
+    """DiscoPOP's temperature of the mix between its logistic and exponential parts, only with
+    --loss discopop."""
     ipo_logps: Literal["mean", "sum"] = "mean"
-    """IPO's log-probs: mean per token (TRL's, which it checked with the IPO authors), or sum (Eq. 17 as printed)."""
+    """IPO's log-probs: mean per token (TRL's, which it checked with the IPO authors), or sum (Eq.
+    17 as printed)."""
     use_weighting: bool = False
-    """WPO (Zhou et al. 2024, Eq. 2): each pair's loss times its two responses' weights, exp of the policy's mean per
-    token of log p(token) - log sum_v p(v)^2 (no gradient through them). Not with aot, aot_pair (they sort pairs)."""
+    """WPO (Zhou et al. 2024, Eq. 2): each pair's loss times its two responses' weights, exp of the
+    policy's mean per token of log p(token) - log sum_v p(v)^2 (no gradient through them). Not with
+    aot, aot_pair (they sort pairs)."""
     ld_alpha: float | None = None
-    """LD-DPO (Liu et al. 2024), in [0, 1]: a response's log-prob is the sum over its first min(len chosen, len
-    rejected) tokens plus this times the sum over the rest, for the policy and the reference alike. None: plain sums."""
-    f_divergence_type: Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"] = "reverse_kl"
-    """f-DPO (Wang et al. 2023): the summed log-ratios pass through f' before the loss; reverse_kl is DPO. Others only
-    with dpo, dpo_norm, ipo, hinge, robust, exo_pair, discopop, sft (as TRL: the rest have no f-DPO form)."""
+    """LD-DPO (Liu et al. 2024), in [0, 1]: a response's log-prob is the sum over its first min(len
+    chosen, len rejected) tokens plus this times the sum over the rest, for the policy and the
+    reference alike. None: plain sums."""
+    f_divergence_type: Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"] = (
+        "reverse_kl"
+    )
+    """f-DPO (Wang et al. 2023): the summed log-ratios pass through f' before the loss; reverse_kl
+    is DPO. Others only with dpo, dpo_norm, ipo, hinge, robust, exo_pair, discopop, sft (as TRL: the
+    rest have no f-DPO form)."""
     f_alpha_divergence_coef: float = 0.5
-    """alpha of alpha_divergence, f'(u) = (u^(alpha - 1) - 1) / (alpha - 1); alpha = 1 is reverse_kl."""
+    """alpha of alpha_divergence, f'(u) = (u^(alpha - 1) - 1) / (alpha - 1); alpha = 1 is
+    reverse_kl."""
     ref: Literal["online", "precompute"] = "online"
-    """online: a frozen reference runs every batch. precompute: one pass caches its log-probs (no second model)."""
+    """online: a frozen reference runs every batch. precompute: one pass caches its log-probs (no
+    second model)."""
     sync_ref_model: bool = False
-    """TR-DPO (Gorbatovski et al. 2024): every --ref-model-sync-steps optimizer steps the reference becomes
-    alpha policy + (1 - alpha) reference, in its own dtype. Needs an online reference model (no LoRA)."""
+    """TR-DPO (Gorbatovski et al. 2024): every --ref-model-sync-steps optimizer steps the reference
+    becomes alpha policy + (1 - alpha) reference, in its own dtype. Needs an online reference model
+    (no LoRA)."""
     ref_model_mixup_alpha: float = 0.6
     """TR-DPO's alpha, in [0, 1]: 1 copies the policy into the reference."""
     ref_model_sync_steps: int = 512
@@ -98,7 +146,9 @@ class LossConfig:
             if name not in get_args(LossType):
                 raise ValueError(f"--loss {name!r} is not one of {', '.join(get_args(LossType))}")
         if len(self.weights) != len(self.losses):
-            raise ValueError(f"--loss-weights: {len(self.loss_weights)} weights for {len(self.losses)} --loss")
+            raise ValueError(
+                f"--loss-weights: {len(self.loss_weights)} weights for {len(self.losses)} --loss"
+            )
         if not self.beta > 0:
             raise ValueError(f"--beta must be > 0, got {self.beta}")
         if not 0 <= self.label_smoothing < 0.5:
@@ -106,26 +156,40 @@ class LossConfig:
         if not self.discopop_tau > 0:
             raise ValueError(f"--discopop-tau must be > 0, got {self.discopop_tau}")
         if (self.use_weighting or self.ld_alpha is not None) and not self.pairwise:
-            raise ValueError("--use-weighting and --ld-alpha weigh pairs: they need a preference --loss")
+            raise ValueError(
+                "--use-weighting and --ld-alpha weigh pairs: they need a preference --loss"
+            )
         if self.ld_alpha is not None and not (0 <= self.ld_alpha <= 1 and "sft" not in self.losses):
-            raise ValueError(f"--ld-alpha must be in [0, 1] and goes without --loss sft (whose NLL takes plain "
-                             f"log-probs), got {self.ld_alpha} with --loss {' '.join(self.losses)}")
+            raise ValueError(
+                "--ld-alpha must be in [0, 1] and goes without --loss sft (whose NLL takes plain "
+                f"log-probs), got {self.ld_alpha} with --loss {' '.join(self.losses)}"
+            )
         if self.use_weighting and {"aot", "aot_pair"} & set(self.losses):
-            raise ValueError("--use-weighting: aot and aot_pair sort pairs across the batch, so weights would not "
-                             "meet their own pair's loss")
+            raise ValueError(
+                "--use-weighting: aot and aot_pair sort pairs across the batch, so weights would "
+                "not meet their own pair's loss"
+            )
         if self.f_divergence_type != "reverse_kl" and not set(self.losses) <= _F_DIVERGENCE:
-            raise ValueError(f"--f-divergence-type {self.f_divergence_type} goes only with --loss "
-                             f"{', '.join(sorted(_F_DIVERGENCE))}, got {' '.join(self.losses)}")
+            raise ValueError(
+                f"--f-divergence-type {self.f_divergence_type} goes only with --loss "
+                f"{', '.join(sorted(_F_DIVERGENCE))}, got {' '.join(self.losses)}"
+            )
         if self.sync_ref_model and (self.ref == "precompute" or self.reference_free):
-            raise ValueError("--sync-ref-model updates a reference model: not with --ref precompute (fixed log-probs) "
-                             "or a reference-free --loss")
+            raise ValueError(
+                "--sync-ref-model updates a reference model: not with --ref precompute (fixed "
+                "log-probs) or a reference-free --loss"
+            )
         if not (0 <= self.ref_model_mixup_alpha <= 1 and self.ref_model_sync_steps >= 1):
-            raise ValueError(f"--ref-model-mixup-alpha must be in [0, 1] and --ref-model-sync-steps >= 1, got "
-                             f"{self.ref_model_mixup_alpha} and {self.ref_model_sync_steps}")
+            raise ValueError(
+                "--ref-model-mixup-alpha must be in [0, 1] and --ref-model-sync-steps >= 1, got "
+                f"{self.ref_model_mixup_alpha} and {self.ref_model_sync_steps}"
+            )
 
     @property
     def losses(self) -> tuple[str, ...]:
-        return (self.loss,) if isinstance(self.loss, str) else tuple(self.loss) or ("dpo",)  # a str from Python
+        return (
+            (self.loss,) if isinstance(self.loss, str) else tuple(self.loss) or ("dpo",)
+        )  # a str from Python
 
     @property
     def weights(self) -> tuple[float, ...]:
@@ -137,7 +201,8 @@ class LossConfig:
 
     @property
     def pairwise(self) -> bool:
-        """False for sft alone, which scores the chosen responses only: no rejected log-probs, rewards or margins."""
+        """False for sft alone, which scores the chosen responses only: no rejected log-probs,
+        rewards or margins."""
         return self.losses != ("sft",)
 
     def averages(self, loss_type: str) -> bool:
@@ -145,45 +210,61 @@ class LossConfig:
         return loss_type in _AVERAGED or (loss_type == "ipo" and self.ipo_logps == "mean")
 
 
-# ---------------------------------------------------------------------------------------------- log-probs
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, average: bool = False) -> torch.Tensor:
-    """(B,) float32 sum_t log p(labels_t | <t) per row, or with average=True the mean over counted tokens (0 if
-    none). logits: (B, T, V), any float dtype; labels: (B, T) as in Hugging Face (the logits at t - 1 score the
-    token at t: the shift happens here), IGNORE_INDEX where not counted. No float32 copy of the logits is made:
-    the log-softmax runs chunk by chunk over counted positions only, and so does backward (see _TokenLogps)."""
+# ---------------------------------------------------------------------------------------- log-probs
+def sequence_logps(
+    logits: torch.Tensor, labels: torch.Tensor, average: bool = False
+) -> torch.Tensor:
+    """(B,) float32 sum_t log p(labels_t | <t) per row, or with average=True the mean over counted
+    tokens (0 if none). logits: (B, T, V), any float dtype; labels: (B, T) as in Hugging Face (the
+    logits at t - 1 score the token at t: the shift happens here), IGNORE_INDEX where not counted.
+    No float32 copy of the logits is made: the log-softmax runs chunk by chunk over counted
+    positions only, and so does backward (see _TokenLogps)."""
     if logits.shape[:2] != labels.shape or logits.device != labels.device:
-        raise ValueError(f"logits {tuple(logits.shape)} on {logits.device} and labels {tuple(labels.shape)} on "
-                         f"{labels.device} must agree on (B, T) and device")
+        raise ValueError(
+            f"logits {tuple(logits.shape)} on {logits.device} and labels {tuple(labels.shape)} on "
+            f"{labels.device} must agree on (B, T) and device"
+        )
     batch, length = labels.shape
     mask = labels[:, 1:] != IGNORE_INDEX  # (B, T-1): position t of the logits scores label t+1
     rows, cols = mask.nonzero(as_tuple=True)  # (N,) each: the counted positions
     flat = logits.reshape(batch * length, -1)  # (B * T, V), a view
-    token_logps = _TokenLogps.apply(flat, rows * length + cols, labels[:, 1:][mask], None, False)  # (N,) float32
-    # Each row's tokens are consecutive: summed in order, without index_add_'s atomics, so same inputs, same bits.
-    total = torch.segment_reduce(token_logps, "sum", lengths=mask.sum(-1), unsafe=True, initial=0)  # (B,)
+    token_logps = _TokenLogps.apply(
+        flat, rows * length + cols, labels[:, 1:][mask], None, False
+    )  # (N,) float32
+    # Each row's tokens are consecutive: summed in order, without index_add_'s atomics, so same
+    # inputs, same bits.
+    total = torch.segment_reduce(
+        token_logps, "sum", lengths=mask.sum(-1), unsafe=True, initial=0
+    )  # (B,)
     return total / mask.sum(-1).clamp(min=1) if average else total
 
 
 def _chunk_rows(vocab: int, device: torch.device, matmul: bool = False) -> int:
-    # Rows per float32 (rows, V) chunk. A log-softmax alone on a CPU: a chunk small enough to stay in cache. With
-    # the output layer's matmul, or on a GPU: large, as small matmuls are slow (at V = 128k, hundreds of rows).
+    # Rows per float32 (rows, V) chunk. A log-softmax alone on a CPU: a chunk small enough to stay
+    # in cache. With the output layer's matmul, or on a GPU: large, as small matmuls are slow (at V
+    # = 128k, hundreds of rows).
     if device.type == "cpu" and not matmul:
         return max(1, 2**20 // vocab)
     return max(1, 2**26 // vocab)
 
 
 class _TokenLogps(torch.autograd.Function):
-    """log softmax(logits)[targets] in float32, chunk by chunk over the N scored rows, where a row's logits are
-    x[index] (index None: x's rows in order), through the output layer `weight` (V, H) when given. Forward keeps
-    only the (N,) log-sum-exp besides its inputs; backward recomputes each chunk's softmax and writes d/dlogits =
-    grad * (onehot(target) - softmax) into x's gradient (and the weight's, accumulated in float32). So no (N, V)
-    float32 tensor ever exists, nor, with `weight`, any (N, V) logits at all. squares=True returns (2N,): then
-    each row's log sum_v p(v)^2 (WPO's), from the same logits, which get no gradient through them."""
+    """log softmax(logits)[targets] in float32, chunk by chunk over the N scored rows, where a row's
+    logits are x[index] (index None: x's rows in order), through the output layer `weight` (V, H)
+    when given. Forward keeps only the (N,) log-sum-exp besides its inputs; backward recomputes each
+    chunk's softmax and writes d/dlogits = grad * (onehot(target) - softmax) into x's gradient (and
+    the weight's, accumulated in float32). So no (N, V) float32 tensor ever exists, nor, with
+    `weight`, any (N, V) logits at all. squares=True returns (2N,): then each row's log sum_v p(v)^2
+    (WPO's), from the same logits, which get no gradient through them."""
 
     @staticmethod
-    def forward(ctx, x, index, targets, weight, squares):  # (M, V) or (M, H); (N,) or None; (N,); (V, H) or None
+    def forward(
+        ctx, x, index, targets, weight, squares
+    ):  # (M, V) or (M, H); (N,) or None; (N,); (V, H) or None
         n = len(targets)
-        chunk = _chunk_rows(x.shape[-1] if weight is None else len(weight), x.device, matmul=weight is not None)
+        chunk = _chunk_rows(
+            x.shape[-1] if weight is None else len(weight), x.device, matmul=weight is not None
+        )
         out = torch.empty(2 * n if squares else n, dtype=torch.float32, device=x.device)
         lse = torch.empty(n, dtype=torch.float32, device=x.device)
         for i in range(0, n, chunk):
@@ -192,22 +273,33 @@ class _TokenLogps(torch.autograd.Function):
             lse[i:end] = logits.logsumexp(-1)
             out[i:end] = logits.gather(-1, targets[i:end, None]).squeeze(-1) - lse[i:end]
             if squares:  # log sum p^2 = logsumexp(2 logits) - 2 lse
-                out[n + i:n + end] = (2 * logits).logsumexp(-1) - 2 * lse[i:end]
+                out[n + i : n + end] = (2 * logits).logsumexp(-1) - 2 * lse[i:end]
         ctx.save_for_backward(x, index, targets, weight, lse)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         x, index, targets, weight, lse = ctx.saved_tensors
-        grad = grad[:len(targets)]  # not through the squares
-        chunk = _chunk_rows(x.shape[-1] if weight is None else len(weight), x.device, matmul=weight is not None)
+        grad = grad[: len(targets)]  # not through the squares
+        chunk = _chunk_rows(
+            x.shape[-1] if weight is None else len(weight), x.device, matmul=weight is not None
+        )
         grad_x, grad_weight = torch.zeros_like(x), None
         for i in range(0, len(targets), chunk):
-            rows = slice(i, i + chunk) if index is None else index[i:i + chunk]
-            g = grad[i:i + chunk, None]
-            # Out of place first: without weight or index the chunk is a view of x, which must stay as it was.
-            d = _chunk_logits(x, index, weight, i, i + chunk).float().sub(lse[i:i + chunk, None]).exp_().mul_(-g)
-            d = d.scatter_add_(-1, targets[i:i + chunk, None], g).to(x.dtype)  # d/dlogits, (chunk, V)
+            rows = slice(i, i + chunk) if index is None else index[i : i + chunk]
+            g = grad[i : i + chunk, None]
+            # Out of place first: without weight or index the chunk is a view of x, which must stay
+            # as it was.
+            d = (
+                _chunk_logits(x, index, weight, i, i + chunk)
+                .float()
+                .sub(lse[i : i + chunk, None])
+                .exp_()
+                .mul_(-g)
+            )
+            d = d.scatter_add_(-1, targets[i : i + chunk, None], g).to(
+                x.dtype
+            )  # d/dlogits, (chunk, V)
             if weight is None:
                 grad_x[rows] = d
                 continue
@@ -221,8 +313,9 @@ class _TokenLogps(torch.autograd.Function):
 
 
 def _chunk_logits(x, index, weight, start: int, end: int) -> torch.Tensor:
-    """Logits of scored rows start:end, (end - start, V), in x's dtype; through a bf16 or fp16 output layer on CUDA
-    in float32, as cuBLAS accumulates them, not rounded to 8 bits of mantissa first (torch has no such CPU kernel)."""
+    """Logits of scored rows start:end, (end - start, V), in x's dtype; through a bf16 or fp16
+    output layer on CUDA in float32, as cuBLAS accumulates them, not rounded to 8 bits of mantissa
+    first (torch has no such CPU kernel)."""
     rows = x[start:end] if index is None else x[index[start:end]]
     if weight is not None and rows.is_cuda and rows.dtype in (torch.bfloat16, torch.float16):
         return torch.mm(rows, weight.T, out_dtype=torch.float32)
@@ -230,16 +323,23 @@ def _chunk_logits(x, index, weight, start: int, end: int) -> torch.Tensor:
 
 
 class ScoredHead(nn.Linear):
-    """A causal LM's linear output layer that can score response tokens alone (see add_scored_head). Called as usual it
-    returns logits (generation, Hugging Face's own loss). While `score` holds (index, targets, squares), index and
-    targets (N,) as in a batches.PairBatch, it projects only the N hidden states at `index` of its flattened (rows * T,
-    H) input (no prompt or padding), fused into the chunked log-softmax (_TokenLogps, which takes `squares`): (N,)
-    float32 log-probs, no (N, V) logits. Unfused (on a CPU, see FUSED_HEAD_ON_CPU; or with a bias or a config that
-    reshapes logits, such as Gemma 2's soft-capping) it returns (N, V) logits, for response_logps to score."""
+    """A causal LM's linear output layer that can score response tokens alone (see add_scored_head).
+    Called as usual it returns logits (generation, Hugging Face's own loss). While `score` holds
+    (index, targets, squares), index and targets (N,) as in a batches.PairBatch, it projects only
+    the N hidden states at `index` of its flattened (rows * T, H) input (no prompt or padding),
+    fused into the chunked log-softmax (_TokenLogps, which takes `squares`): (N,) float32 log-probs,
+    no (N, V) logits. Unfused (on a CPU, see FUSED_HEAD_ON_CPU; or with a bias or a config that
+    reshapes logits, such as Gemma 2's soft-capping) it returns (N, V) logits, for response_logps to
+    score."""
 
     def __init__(self, head: nn.Linear, fusable: bool):
-        super().__init__(head.in_features, head.out_features, bias=head.bias is not None, device="meta")
-        self.weight, self.bias = head.weight, head.bias  # the same parameters: ties and state-dict names kept
+        super().__init__(
+            head.in_features, head.out_features, bias=head.bias is not None, device="meta"
+        )
+        self.weight, self.bias = (
+            head.weight,
+            head.bias,
+        )  # the same parameters: ties and state-dict names kept
         self.fusable = fusable
         self.score = None
 
@@ -249,32 +349,42 @@ class ScoredHead(nn.Linear):
         index, targets, squares = self.score
         scored = hidden.flatten(0, 1)[index]  # (N, H)
         if self.fusable and (FUSED_HEAD_ON_CPU or scored.device.type != "cpu"):
-            return _TokenLogps.apply(scored, None, targets, self.weight, squares)  # (N,) float32, squares: (2N,)
+            return _TokenLogps.apply(
+                scored, None, targets, self.weight, squares
+            )  # (N,) float32, squares: (2N,)
         return super().forward(scored)  # (N, V)
 
 
 def add_scored_head(model: nn.Module) -> nn.Module:
-    """Replace a Hugging Face causal LM's linear output layer by a ScoredHead in place, before sharding or adapters."""
+    """Replace a Hugging Face causal LM's linear output layer by a ScoredHead in place, before
+    sharding or adapters."""
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):
-        raise ValueError(f"{type(model).__name__}'s output layer is a {type(head).__name__}, not a linear layer")
+        raise ValueError(
+            f"{type(model).__name__}'s output layer is a {type(head).__name__}, not a linear layer"
+        )
     fusable = head.bias is None and not any(getattr(model.config, k, None) for k in _LOGIT_EXTRAS)
     model.set_output_embeddings(ScoredHead(head, fusable))
     return model
 
 
 def response_logps(model, batch, ld_alpha: float | None = None, weighting: bool = False):
-    """(rows,) float32 summed log-probs of each row's response tokens, from a causal LM whose output layer is a
-    ScoredHead. batch: a batches.PairBatch, or anything with its input_ids (rows, T), score_index, score_targets (N,)
-    and response_lengths (rows,). No attention mask: rows are right-padded. ld_alpha (LD-DPO; rows are [chosen;
-    rejected]): tokens past the pair's shorter response count this much. weighting=True (WPO) also returns (rows,)
-    log-weights, each row's mean over its tokens of log p(token) - log sum_v p(v)^2, with no gradient."""
+    """(rows,) float32 summed log-probs of each row's response tokens, from a causal LM whose output
+    layer is a ScoredHead. batch: a batches.PairBatch, or anything with its input_ids (rows, T),
+    score_index, score_targets (N,) and response_lengths (rows,). No attention mask: rows are
+    right-padded. ld_alpha (LD-DPO; rows are [chosen; rejected]): tokens past the pair's shorter
+    response count this much. weighting=True (WPO) also returns (rows,) log-weights, each row's mean
+    over its tokens of log p(token) - log sum_v p(v)^2, with no gradient."""
     head = model.get_output_embeddings()
     if not isinstance(head, ScoredHead):
-        raise ValueError(f"{type(head).__name__} is not a ScoredHead: call loss.add_scored_head(model) first")
+        raise ValueError(
+            f"{type(head).__name__} is not a ScoredHead: call loss.add_scored_head(model) first"
+        )
     head.score = (batch.score_index, batch.score_targets, weighting)
     try:
-        out = model(input_ids=batch.input_ids, use_cache=False).logits  # (N,) log-probs (weighting: (2N,)), or (N, V)
+        out = model(
+            input_ids=batch.input_ids, use_cache=False
+        ).logits  # (N,) log-probs (weighting: (2N,)), or (N, V)
     finally:
         head.score = None
     if out.dim() == 2:
@@ -282,27 +392,43 @@ def response_logps(model, batch, ld_alpha: float | None = None, weighting: bool 
     n, lengths = len(batch.score_targets), batch.response_lengths
     token_logps = out[:n]
     if ld_alpha is not None:
-        # A row's tokens from its start + the pair's shared length on are the tail; on the device, no host sync.
+        # A row's tokens from its start + the pair's shared length on are the tail; on the device,
+        # no host sync.
         shared = torch.minimum(*lengths.chunk(2)).repeat(2)  # (rows,)
-        tail_start = (lengths.cumsum(0) - lengths + shared).repeat_interleave(lengths, output_size=n)  # (N,)
-        token_logps = torch.where(torch.arange(n, device=out.device) >= tail_start, ld_alpha * token_logps, token_logps)
-    logps = torch.segment_reduce(token_logps, "sum", lengths=lengths, unsafe=True, initial=0)  # in order
+        tail_start = (lengths.cumsum(0) - lengths + shared).repeat_interleave(
+            lengths, output_size=n
+        )  # (N,)
+        token_logps = torch.where(
+            torch.arange(n, device=out.device) >= tail_start, ld_alpha * token_logps, token_logps
+        )
+    logps = torch.segment_reduce(
+        token_logps, "sum", lengths=lengths, unsafe=True, initial=0
+    )  # in order
     if not weighting:
         return logps
-    aligned = torch.segment_reduce((out[:n] - out[n:]).detach(), "sum", lengths=lengths, unsafe=True, initial=0)
+    aligned = torch.segment_reduce(
+        (out[:n] - out[n:]).detach(), "sum", lengths=lengths, unsafe=True, initial=0
+    )
     return logps, aligned / lengths.clamp(min=1)
 
 
-def pair_logps(policy, reference, batch, objective: LossConfig, ref_logps: torch.Tensor | None = None):
-    """(policy, reference, WPO log-weights) of a batches.PairBatch under `objective`: (2B,) [chosen; rejected]
-    log-probs (summed; LD-DPO's with --ld-alpha) of the policy (sft alone: of the chosen rows, the rejected 0), and
-    the reference's: `ref_logps` when given (precomputed), else the `reference` model's (no gradient), else None (a
-    reference-free loss); and with --use-weighting the policy's (2B,) log-weights (response_logps), else None."""
-    if ref_logps is None and reference is not None:  # first, so its activations are freed before the policy's exist
+def pair_logps(
+    policy, reference, batch, objective: LossConfig, ref_logps: torch.Tensor | None = None
+):
+    """(policy, reference, WPO log-weights) of a batches.PairBatch under `objective`: (2B,) [chosen;
+    rejected] log-probs (summed; LD-DPO's with --ld-alpha) of the policy (sft alone: of the chosen
+    rows, the rejected 0), and the reference's: `ref_logps` when given (precomputed), else the
+    `reference` model's (no gradient), else None (a reference-free loss); and with --use-weighting
+    the policy's (2B,) log-weights (response_logps), else None."""
+    if (
+        ref_logps is None and reference is not None
+    ):  # first, so its activations are freed before the policy's exist
         with torch.no_grad():
             ref_logps = response_logps(reference, batch, objective.ld_alpha)
     if not objective.pairwise:
-        chosen = response_logps(policy, batch.chosen())  # SFT: running the rejected rows would double the cost
+        chosen = response_logps(
+            policy, batch.chosen()
+        )  # SFT: running the rejected rows would double the cost
         return torch.cat([chosen, torch.zeros_like(chosen)]), ref_logps, None
     if objective.use_weighting:
         logps, log_weights = response_logps(policy, batch, objective.ld_alpha, weighting=True)
@@ -310,78 +436,118 @@ def pair_logps(policy, reference, batch, objective: LossConfig, ref_logps: torch
     return response_logps(policy, batch, objective.ld_alpha), ref_logps, None
 
 
-# ---------------------------------------------------------------------------------------------- losses
-def pair_loss(logps: torch.Tensor, ref_logps: torch.Tensor | None, response_lengths: torch.Tensor,
-              objective: LossConfig, tokens_per_pair: float | None = None,
-              log_weights: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """(B,) float32 "losses", "chosen_rewards", "rejected_rewards", "chosen_logps", "rejected_logps" under
-    `objective` (its --loss-weights sum of losses; rewards and log-probs are its first preference loss's), from
-    (2B,) [chosen; rejected] log-probs of the policy (sft alone: rejected ones 0, not computed) and the reference
-    (None for a reference-free loss); see preference_loss for f-DPO. response_lengths: (2B,) tokens per response,
-    for losses on mean log-probs. tokens_per_pair: the batch's mean chosen tokens per pair, for sft's NLL.
-    log_weights: (2B,) WPO's (pair_logps), or None; each pair's loss is scaled by exp(its chosen + rejected)."""
+# ------------------------------------------------------------------------------------------- losses
+def pair_loss(
+    logps: torch.Tensor,
+    ref_logps: torch.Tensor | None,
+    response_lengths: torch.Tensor,
+    objective: LossConfig,
+    tokens_per_pair: float | None = None,
+    log_weights: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """(B,) float32 "losses", "chosen_rewards", "rejected_rewards", "chosen_logps", "rejected_logps"
+    under `objective` (its --loss-weights sum of losses; rewards and log-probs are its first
+    preference loss's), from (2B,) [chosen; rejected] log-probs of the policy (sft alone: rejected
+    ones 0, not computed) and the reference (None for a reference-free loss); see preference_loss
+    for f-DPO. response_lengths: (2B,) tokens per response, for losses on mean log-probs.
+    tokens_per_pair: the batch's mean chosen tokens per pair, for sft's NLL. log_weights: (2B,)
+    WPO's (pair_logps), or None; each pair's loss is scaled by exp(its chosen + rejected)."""
     scores, ref_scores = logps, ref_logps
-    if objective.f_divergence_type != "reverse_kl" and ref_logps is not None:  # f' of the summed log-ratios
-        scores = _f_prime(logps - ref_logps, objective.f_divergence_type, objective.f_alpha_divergence_coef)
+    if (
+        objective.f_divergence_type != "reverse_kl" and ref_logps is not None
+    ):  # f' of the summed log-ratios
+        scores = _f_prime(
+            logps - ref_logps, objective.f_divergence_type, objective.f_alpha_divergence_coef
+        )
         ref_scores = torch.zeros_like(scores)
-    shown = next((name for name in objective.losses if name != "sft"), "sft")  # whose rewards and log-probs are logged
+    shown = next(
+        (name for name in objective.losses if name != "sft"), "sft"
+    )  # whose rewards and log-probs are logged
     losses, out = 0.0, {}
     for loss_type, weight in zip(objective.losses, objective.weights):
         per_token = response_lengths.clamp(min=1) if objective.averages(loss_type) else 1
         refs = (None, None) if ref_scores is None else (ref_scores / per_token).chunk(2)
         part, chosen_rewards, rejected_rewards = preference_loss(
-            *(scores / per_token).chunk(2), *refs, loss_type=loss_type, beta=objective.beta,
-            label_smoothing=objective.label_smoothing, simpo_gamma=objective.simpo_gamma,
-            discopop_tau=objective.discopop_tau)
+            *(scores / per_token).chunk(2),
+            *refs,
+            loss_type=loss_type,
+            beta=objective.beta,
+            label_smoothing=objective.label_smoothing,
+            simpo_gamma=objective.simpo_gamma,
+            discopop_tau=objective.discopop_tau,
+        )
         if loss_type == "sft":
-            part = chosen_nll(logps[:len(part)], tokens_per_pair)
+            part = chosen_nll(logps[: len(part)], tokens_per_pair)
         losses = losses + weight * part
         if loss_type == shown and not out:
             chosen, rejected = (logps / per_token).detach().chunk(2)
-            out = {"chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards, "chosen_logps": chosen,
-                   "rejected_logps": rejected}
+            out = {
+                "chosen_rewards": chosen_rewards,
+                "rejected_rewards": rejected_rewards,
+                "chosen_logps": chosen,
+                "rejected_logps": rejected,
+            }
     if log_weights is not None:
-        losses = losses * log_weights.view(2, -1).sum(0).exp()  # (2B,) -> (2, B): w_chosen * w_rejected
+        losses = (
+            losses * log_weights.view(2, -1).sum(0).exp()
+        )  # (2B,) -> (2, B): w_chosen * w_rejected
     return {"losses": losses, **out}
 
 
-def preference_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor,
-                    ref_chosen_logps: torch.Tensor | None, ref_rejected_logps: torch.Tensor | None,
-                    loss_type: LossType = "dpo", beta: float = LossConfig.beta,
-                    label_smoothing: float = LossConfig.label_smoothing, simpo_gamma: float = LossConfig.simpo_gamma,
-                    discopop_tau: float = LossConfig.discopop_tau) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-pair preference losses (not reduced) and implicit rewards (detached: beta * (policy - reference)), each
-    (B,) float32. The log-probs are (B,), summed or averaged (simpo, dpo_norm, and ipo by default); the reference
-    ones may be None for a reference-free loss (simpo, sft), taken as 0. With c = pi_c - ref_c, r = pi_r - ref_r,
-    h = c - r, z = beta h, eps = label_smoothing and s = sigmoid:
+def preference_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor | None,
+    ref_rejected_logps: torch.Tensor | None,
+    loss_type: LossType = "dpo",
+    beta: float = LossConfig.beta,
+    label_smoothing: float = LossConfig.label_smoothing,
+    simpo_gamma: float = LossConfig.simpo_gamma,
+    discopop_tau: float = LossConfig.discopop_tau,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair preference losses (not reduced) and implicit rewards (detached: beta * (policy -
+    reference)), each (B,) float32. The log-probs are (B,), summed or averaged (simpo, dpo_norm, and
+    ipo by default); the reference ones may be None for a reference-free loss (simpo, sft), taken as
+    0. With c = pi_c - ref_c, r = pi_r - ref_r, h = c - r, z = beta h, eps = label_smoothing and s =
+    sigmoid:
 
-        dpo       -(1 - eps) log s(z) - eps log s(-z)                      DPO Eq. 7; cDPO when eps > 0
-        ipo       (h - 1 / (2 beta))^2                                     IPO Eq. 17 (on mean log-probs by default)
-        hinge     max(0, 1 - z)                                            SLiC Eq. 2
-        robust    (-(1 - eps) log s(z) + eps log s(-z)) / (1 - 2 eps)      rDPO Eq. 8
-        simpo     -log s(beta (pi_c - pi_r) - simpo_gamma)                 SimPO Eq. 6, pi = mean log-probs
-        exo_pair  s(z) (log s(z) - log(1 - e)) + s(-z) (log s(-z) - log e),  e = eps or 1e-3    EXO Eq. 16
-        nca_pair  -log s(beta c) - log s(-beta c) / 2 - log s(-beta r) / 2                NCA
-        bco_pair  -log s(beta c - d) - log s(-(beta r - d)), d = mean of beta c, beta r over the batch   BCO
-        sppo_hard (c - 1 / (2 beta))^2 + (r + 1 / (2 beta))^2                             SPPO
-        apo_zero  (1 - s(beta c)) + s(beta r)                                             APO-zero
-        apo_down  s(beta c) + (1 - s(z))                                                  APO-down
-        discopop  (1 - m) (-log s(z)) + m exp(-z), m = s(z / discopop_tau)                DiscoPOP Eq. 5
-                  (m exp(-z) as exp(log m - z): for z < -88.7, exp(-z) alone overflows float32, and 0 x inf is NaN)
-        aot       dpo's formula on z = beta (sort(pi_c - pi_r) - sort(ref_c - ref_r))    AOT, sorted over the batch
-        aot_pair  dpo's formula on z = beta (sort(c) - sort(r))                         AOT, sorted over the batch
-        dpo_norm  dpo on mean log-probs                                                   Tulu 3
-        sft       0: all of SFT's loss is chosen_nll, which pair_loss puts in its place
+        dpo        -(1 - eps) log s(z) - eps log s(-z)                DPO Eq. 7; cDPO when eps > 0
+        ipo        (h - 1 / (2 beta))^2                               IPO Eq. 17 (mean log-probs
+                                                                      by default)
+        hinge      max(0, 1 - z)                                      SLiC Eq. 2
+        robust     (-(1 - eps) log s(z) + eps log s(-z)) / (1 - 2 eps)   rDPO Eq. 8
+        simpo      -log s(beta (pi_c - pi_r) - simpo_gamma)           SimPO Eq. 6, mean log-probs
+        exo_pair   s(z) (log s(z) - log(1 - e)) + s(-z) (log s(-z) - log e),
+                   e = eps or 1e-3                                    EXO Eq. 16
+        nca_pair   -log s(beta c) - log s(-beta c) / 2 - log s(-beta r) / 2   NCA
+        bco_pair   -log s(beta c - d) - log s(-(beta r - d)),
+                   d = the batch mean of beta c and beta r            BCO
+        sppo_hard  (c - 1 / (2 beta))^2 + (r + 1 / (2 beta))^2        SPPO
+        apo_zero   (1 - s(beta c)) + s(beta r)                        APO-zero
+        apo_down   s(beta c) + (1 - s(z))                             APO-down
+        discopop   (1 - m) (-log s(z)) + m exp(-z), m = s(z / discopop_tau)   DiscoPOP Eq. 5
+                   (m exp(-z) as exp(log m - z): for z < -88.7, exp(-z) alone overflows
+                   float32, and 0 x inf is NaN)
+        aot        dpo's formula on z = beta (sort(pi_c - pi_r) - sort(ref_c - ref_r)),
+                   sorted over the batch                              AOT
+        aot_pair   dpo's formula on z = beta (sort(c) - sort(r)), sorted over the batch   AOT
+        dpo_norm   dpo on mean log-probs                              Tulu 3
+        sft        0: all of SFT's loss is chosen_nll, which pair_loss puts in its place
 
     Around these, in pair_loss and response_logps (TRL's names):
-        loss list       sum_i loss_weights_i x (batch mean of loss_i)                                MPO; RPO: dpo + sft
-        f_divergence    c, r -> f'(e^c), f'(e^r) on summed log-ratios, averaged after; rewards beta f'       f-DPO
-                        forward_kl 1 - e^-c, js_divergence log 2 + log s(c), alpha_divergence (e^((a-1)c) - 1) / (a-1)
-        use_weighting   each pair's loss x w_c w_r, log w = mean_t log p(y_t) - log sum_v p(v)^2 (policy, no grad)   WPO
-        ld_alpha        log pi(y) = sum over its first min(|y_c|, |y_r|) tokens + ld_alpha x the rest (both)    LD-DPO
 
-    bco_pair, aot and aot_pair compare pairs within the batch, so their value depends on how the batch is split
-    into micro-batches (TRL 1.16's bco_pair has no shift d; earlier TRL kept a running mean of the rewards)."""
+        loss list      sum_i loss_weights_i x (batch mean of loss_i)         MPO; RPO: dpo + sft
+        f_divergence   c, r -> f'(e^c), f'(e^r) on summed log-ratios, averaged after;
+                       rewards beta f'                                       f-DPO
+                       forward_kl 1 - e^-c, js_divergence log 2 + log s(c),
+                       alpha_divergence (e^((a-1)c) - 1) / (a-1)
+        use_weighting  each pair's loss x w_c w_r,
+                       log w = mean_t log p(y_t) - log sum_v p(v)^2 (policy, no grad)   WPO
+        ld_alpha       log pi(y) = sum over its first min(|y_c|, |y_r|) tokens
+                       + ld_alpha x the rest (policy and reference)          LD-DPO
+
+    bco_pair, aot and aot_pair compare pairs within the batch, so their value depends on how the
+    batch is split into micro-batches."""
     if ref_chosen_logps is None or ref_rejected_logps is None:
         if loss_type not in _REFERENCE_FREE:
             raise ValueError(f"loss {loss_type!r} needs reference log-probs")
@@ -404,9 +570,13 @@ def preference_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: to
         losses = -F.logsigmoid(beta * (pc - pr) - simpo_gamma)
     elif loss_type == "exo_pair":
         e = eps or 1e-3  # EXO's epsilon: 1e-3 unless --label-smoothing gives one
-        losses = z.sigmoid() * (F.logsigmoid(z) - math.log(1 - e)) + (-z).sigmoid() * (F.logsigmoid(-z) - math.log(e))
+        losses = z.sigmoid() * (F.logsigmoid(z) - math.log(1 - e)) + (-z).sigmoid() * (
+            F.logsigmoid(-z) - math.log(e)
+        )
     elif loss_type == "nca_pair":
-        losses = -F.logsigmoid(beta * c) - 0.5 * F.logsigmoid(-beta * c) - 0.5 * F.logsigmoid(-beta * r)
+        losses = (
+            -F.logsigmoid(beta * c) - 0.5 * F.logsigmoid(-beta * c) - 0.5 * F.logsigmoid(-beta * r)
+        )
     elif loss_type == "bco_pair":
         d = torch.cat([beta * c, beta * r]).mean().detach()
         losses = -F.logsigmoid(beta * c - d) - F.logsigmoid(-(beta * r - d))
@@ -417,7 +587,9 @@ def preference_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: to
     elif loss_type == "apo_down":
         losses = torch.sigmoid(beta * c) + (1 - torch.sigmoid(z))
     elif loss_type == "discopop":
-        losses = torch.sigmoid(-z / discopop_tau) * -F.logsigmoid(z) + torch.exp(F.logsigmoid(z / discopop_tau) - z)
+        losses = torch.sigmoid(-z / discopop_tau) * -F.logsigmoid(z) + torch.exp(
+            F.logsigmoid(z / discopop_tau) - z
+        )
     elif loss_type == "aot":
         losses = _dpo(beta * ((pc - pr).sort().values - (rc - rr).sort().values), eps)
     elif loss_type == "aot_pair":
@@ -425,23 +597,29 @@ def preference_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: to
     elif loss_type == "sft":
         losses = torch.zeros_like(pc)
     else:
-        raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {', '.join(get_args(LossType))}")
+        raise ValueError(
+            f"unknown loss_type {loss_type!r}; choose one of {', '.join(get_args(LossType))}"
+        )
     return losses, beta * c.detach(), beta * r.detach()
 
 
 def chosen_nll(chosen_logps: torch.Tensor, tokens_per_pair: float) -> torch.Tensor:
-    """(B,) per-pair shares of the chosen responses' token-mean NLL (SFT; RPO's added term), from summed log-probs.
-    tokens_per_pair: mean chosen tokens per pair over all ranks and micro-batches: pairs average to the token mean."""
+    """(B,) per-pair shares of the chosen responses' token-mean NLL (SFT; RPO's added term), from
+    summed log-probs. tokens_per_pair: mean chosen tokens per pair over all ranks and micro-batches:
+    pairs average to the token mean."""
     return -chosen_logps.float() / tokens_per_pair
 
 
 def _f_prime(log_ratio: torch.Tensor, kind: str, alpha: float) -> torch.Tensor:
-    """f-DPO's f'(u) at u = pi / pi_ref, from log u, as TRL computes it (reverse_kl: log u, without f-DPO's + 1)."""
+    """f-DPO's f'(u) at u = pi / pi_ref, from log u, as TRL computes it (reverse_kl: log u, without
+    f-DPO's + 1)."""
     if kind == "forward_kl":  # f'(u) = 1 - 1 / u
         return 1 - torch.exp(-log_ratio)
     if kind == "js_divergence":  # f'(u) = log(2u / (1 + u))
         return math.log(2) + F.logsigmoid(log_ratio)
-    if kind == "alpha_divergence" and abs(alpha - 1) >= 1e-6:  # (u^(alpha - 1) - 1) / (alpha - 1), exp kept finite
+    if (
+        kind == "alpha_divergence" and abs(alpha - 1) >= 1e-6
+    ):  # (u^(alpha - 1) - 1) / (alpha - 1), exp kept finite
         return (torch.exp(((alpha - 1) * log_ratio).clamp(max=80)) - 1) * (1 / (alpha - 1))
     return log_ratio
 

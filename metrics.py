@@ -1,11 +1,14 @@
-"""What a run reports: pair statistics, memory, MFU, the console (rank 0 only), metrics.jsonl and W&B.
+"""What a run reports: pair statistics, memory, MFU, the console (rank 0 only), metrics.jsonl and
+W&B.
 
 Copyable on its own: imports only the standard library and torch.
 
-    sums += pair_stats(out).sum(0)           # per micro-batch, no host sync; dist.all_reduce(sums) once per step
-    row = pair_means(sums, n_pairs)          # {"loss": ..., "rewards/accuracies": ..., ...}
-    log = RunLog("runs/x", resume_step=0, samples=True)  # log.wandb = open_wandb(project, config, out_dir): W&B too
-    log.write({"step": 1, "split": "train", **row})   # metrics.jsonl (rank 0); log.close() plots metrics.png
+    sums += pair_stats(out).sum(0)  # per micro-batch, no host sync; all-reduced once per step
+    row = pair_means(sums, n_pairs)  # {"loss": ..., "rewards/accuracies": ..., ...}
+    log = RunLog("runs/x", resume_step=0, samples=True)
+    log.wandb = open_wandb(project, config, out_dir)  # to W&B too
+    log.write({"step": 1, "split": "train", **row})  # metrics.jsonl (rank 0)
+    log.close()  # and metrics.png
 """
 
 import json
@@ -16,62 +19,112 @@ import sys
 import torch
 import torch.distributed as dist
 
-PAIR_METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-                "logps/chosen", "logps/rejected")
+PAIR_METRICS = (
+    "loss",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
 
 
 def pair_stats(out: dict) -> torch.Tensor:
-    """(B, 7): each pair's PAIR_METRICS from pair_loss's (B,) tensors. Sum them on the device; reduce once a step."""
+    """(B, 7): each pair's PAIR_METRICS from pair_loss's (B,) tensors. Sum them on the device;
+    reduce once a step."""
     cr, rr = out["chosen_rewards"], out["rejected_rewards"]
-    return torch.stack([out["losses"].detach(), cr, rr, (cr > rr).float(), cr - rr, out["chosen_logps"],
-                        out["rejected_logps"]], dim=1)
+    return torch.stack(
+        [
+            out["losses"].detach(),
+            cr,
+            rr,
+            (cr > rr).float(),
+            cr - rr,
+            out["chosen_logps"],
+            out["rejected_logps"],
+        ],
+        dim=1,
+    )
 
 
 def pair_means(sums: torch.Tensor, count: float, pairwise: bool = True) -> dict:
-    """{metric: sum / count} of PAIR_METRICS; SFT (pairwise=False) runs no rejected rows: only loss and logps/chosen."""
+    """{metric: sum / count} of PAIR_METRICS; SFT (pairwise=False) runs no rejected rows: only loss
+    and logps/chosen."""
     keys = PAIR_METRICS if pairwise else ("loss", "logps/chosen")
     return {k: v / count for k, v in zip(PAIR_METRICS, sums.tolist()) if k in keys}
 
 
-def step_metrics(sums: torch.Tensor, peaks: torch.Tensor, seconds: float, batch_size: int, pairwise: bool,
-                 world: int, device: torch.device, precision: str) -> dict:
-    """A train row from a step's reduced sums [PAIR_METRICS..., tokens, token slots, FLOPs] and maxima [peak memory]."""
+def step_metrics(
+    sums: torch.Tensor,
+    peaks: torch.Tensor,
+    seconds: float,
+    batch_size: int,
+    pairwise: bool,
+    world: int,
+    device: torch.device,
+    precision: str,
+) -> dict:
+    """A train row from a step's reduced sums [PAIR_METRICS..., tokens, token slots, FLOPs] and
+    maxima [peak memory]."""
     tokens, slots, flops = sums[-3:].tolist()
-    peak = device_peak_flops(torch.cuda.get_device_name(device), precision) if device.type == "cuda" else None
-    return {**pair_means(sums[:-3], batch_size, pairwise), "tokens_per_s": tokens / seconds,
-            "pairs_per_s": batch_size / seconds, "padding_efficiency": tokens / slots, "flops": flops,
-            "peak_mem_gb": peaks[0].item(), **({"mfu": flops / seconds / (world * peak)} if peak else {})}
+    peak = (
+        device_peak_flops(torch.cuda.get_device_name(device), precision)
+        if device.type == "cuda"
+        else None
+    )
+    return {
+        **pair_means(sums[:-3], batch_size, pairwise),
+        "tokens_per_s": tokens / seconds,
+        "pairs_per_s": batch_size / seconds,
+        "padding_efficiency": tokens / slots,
+        "flops": flops,
+        "peak_mem_gb": peaks[0].item(),
+        **({"mfu": flops / seconds / (world * peak)} if peak else {}),
+    }
 
 
 def flop_coefficients(model) -> tuple[float, float, float]:
-    """(a, b, c) for forward_flops from a Hugging Face causal LM (sharded or not): a = 2 per weight of every matmul
-    in the blocks (every expert's), b = attention's two (T x T) matmuls per layer, c = 2 per output-layer weight."""
+    """(a, b, c) for forward_flops from a Hugging Face causal LM (sharded or not): a = 2 per weight
+    of every matmul in the blocks (every expert's), b = attention's two (T x T) matmuls per layer, c
+    = 2 per output-layer weight."""
     head = model.get_output_embeddings().weight
-    lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)} | {id(head)}
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)} | {
+        id(head)
+    }
     linear = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in lookups)
     c = model.config
-    width = c.num_attention_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    width = c.num_attention_heads * (
+        getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    )
     return 2.0 * linear, 4.0 * c.num_hidden_layers * width, 2.0 * head.numel()
 
 
-def forward_flops(coefficients: tuple[float, float, float], rows: int, length: int, scored: int) -> float:
-    """Model FLOPs of one forward over (rows, length) token slots, the output layer on `scored` of them. Attention
-    counts whole, as in PyTorch's FlopCounterMode (a causal kernel skips about half); recomputation does not count."""
+def forward_flops(
+    coefficients: tuple[float, float, float], rows: int, length: int, scored: int
+) -> float:
+    """Model FLOPs of one forward over (rows, length) token slots, the output layer on `scored` of
+    them. Attention counts whole, as in PyTorch's FlopCounterMode (a causal kernel skips about
+    half); recomputation does not count."""
     a, b, c = coefficients
     return rows * length * (a + b * length) + c * scored
 
 
-def batch_counts(coefficients: tuple[float, float, float], pairwise: bool, passes: int, reference: bool,
-                 batch) -> torch.Tensor:
-    """(3,) [tokens, token slots, model FLOPs] of a batches.PairBatch, with no sync (slots, FLOPs from shapes): the
-    policy's rows (SFT: the chosen) run `passes` forwards' worth (3: with backward), a reference one on all rows."""
+def batch_counts(
+    coefficients: tuple[float, float, float], pairwise: bool, passes: int, reference: bool, batch
+) -> torch.Tensor:
+    """(3,) [tokens, token slots, model FLOPs] of a batches.PairBatch, with no sync (slots, FLOPs
+    from shapes): the policy's rows (SFT: the chosen) run `passes` forwards' worth (3: with
+    backward), a reference one on all rows."""
     ran = batch if pairwise else batch.chosen()
     rows, length = ran.input_ids.shape
     flops = passes * forward_flops(coefficients, rows, length, len(ran.score_index))
     if reference:
         flops += forward_flops(coefficients, *batch.input_ids.shape, len(batch.score_index))
     slots = torch.full((), float(rows * length), device=batch.input_ids.device)
-    return torch.stack([ran.attention_mask.sum().float(), slots, torch.full((), flops, device=slots.device)])
+    return torch.stack(
+        [ran.attention_mask.sum().float(), slots, torch.full((), flops, device=slots.device)]
+    )
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -81,16 +134,26 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 def host_memory_by_rank_gb(device: torch.device) -> list[float]:
-    """Every rank's peak host memory (max RSS) in GB; a collective on `device` (nccl-only groups take no CPU tensor)."""
+    """Every rank's peak host memory (max RSS) in GB; a collective on `device` (nccl-only groups
+    take no CPU tensor)."""
     rss = torch.zeros(dist.get_world_size(), device=device)
     rss[dist.get_rank()] = peak_memory_gb(torch.device("cpu"))
     dist.all_reduce(rss)
     return rss.tolist()
 
 
-# Dense peak FLOP/s per GPU by name fragment, most specific first: (bf16/fp16 tensor cores, fp32), from data sheets.
-_PEAK_FLOPS = {"H100 PCIe": (756e12, 51e12), "H100": (989e12, 67e12), "H200": (989e12, 67e12), "B200": (2250e12, 80e12),
-               "A100": (312e12, 19.5e12), "L40S": (362e12, 91.6e12), "A10G": (125e12, 31.2e12), "L4": (121e12, 30.3e12)}
+# Dense peak FLOP/s per GPU by name fragment, most specific first: (bf16/fp16 tensor cores, fp32),
+# from data sheets.
+_PEAK_FLOPS = {
+    "H100 PCIe": (756e12, 51e12),
+    "H100": (989e12, 67e12),
+    "H200": (989e12, 67e12),
+    "B200": (2250e12, 80e12),
+    "A100": (312e12, 19.5e12),
+    "L40S": (362e12, 91.6e12),
+    "A10G": (125e12, 31.2e12),
+    "L4": (121e12, 30.3e12),
+}
 
 
 def device_peak_flops(name: str, precision: str) -> float | None:
@@ -106,11 +169,17 @@ def _rank0() -> bool:
 
 def sharded_line(model) -> str:
     params = list(model.parameters())
-    total, trained = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
-    line = f"{total / 1e6:.1f}M params" + (f" ({trained / 1e6:.2f}M trained)" if trained < total else "")
+    total, trained = (
+        sum(p.numel() for p in params),
+        sum(p.numel() for p in params if p.requires_grad),
+    )
+    line = f"{total / 1e6:.1f}M params" + (
+        f" ({trained / 1e6:.2f}M trained)" if trained < total else ""
+    )
     mesh = params[0].device_mesh.shape  # (ranks,), or HSDP's (replicas, shards)
     hsdp = f" as {mesh[0]} replicas x {mesh[1]} shards (HSDP)" if len(mesh) == 2 else ""
-    return f"{line}, {dist.get_world_size()} rank(s){hsdp} on {params[0].device} ({dist.get_backend()})"
+    where = f"on {params[0].device} ({dist.get_backend()})"
+    return f"{line}, {dist.get_world_size()} rank(s){hsdp} {where}"
 
 
 def say(msg: str) -> None:
@@ -133,9 +202,15 @@ def show_progress(step: int, total: int, m: dict) -> None:
     if not _rank0():
         return
     done = int(30 * step / total)
-    pairs = f"acc {m['rewards/accuracies']:.2f} margin {m['rewards/margins']:.3f} " if "rewards/margins" in m else ""
-    line = (f"step {step}/{total} [{'#' * done}{'.' * (30 - done)}] loss {m['loss']:.4f} {pairs}"
-            f"{m['tokens_per_s']:.0f} tok/s")
+    pairs = (
+        f"acc {m['rewards/accuracies']:.2f} margin {m['rewards/margins']:.3f} "
+        if "rewards/margins" in m
+        else ""
+    )
+    line = (
+        f"step {step}/{total} [{'#' * done}{'.' * (30 - done)}] loss {m['loss']:.4f} "
+        f"{pairs}{m['tokens_per_s']:.0f} tok/s"
+    )
     if sys.stderr.isatty():
         print("\r" + line, end="\n" if step == total else "", file=sys.stderr, flush=True)
     elif step == total or step % max(total // 20, 1) == 0:
@@ -143,8 +218,9 @@ def show_progress(step: int, total: int, m: dict) -> None:
 
 
 def open_log(path: str, resume_step: int):
-    """A JSON Lines file of {"step", ...} rows, line-buffered for appending. A resumed run keeps the rows up to its
-    step and cuts later ones (logged again) in one truncate: an interruption leaves the old file or the kept rows."""
+    """A JSON Lines file of {"step", ...} rows, line-buffered for appending. A resumed run keeps the
+    rows up to its step and cuts later ones (logged again) in one truncate: an interruption leaves
+    the old file or the kept rows."""
     f = open(path, "a+" if resume_step else "w+", buffering=1)
     f.seek(0)
     keep = 0
@@ -157,7 +233,8 @@ def open_log(path: str, resume_step: int):
 
 
 def plot_metrics(jsonl_path: str, png_path: str) -> bool:
-    """Loss, reward accuracy and margin by step, metrics.jsonl into a PNG; False (none written) without matplotlib."""
+    """Loss, reward accuracy and margin by step, metrics.jsonl into a PNG; False (none written)
+    without matplotlib."""
     try:
         from matplotlib.figure import Figure  # no pyplot: no global backend or state is touched
     except ImportError:
@@ -179,27 +256,36 @@ def plot_metrics(jsonl_path: str, png_path: str) -> bool:
 
 
 class RunLog:
-    """A run's rows into {out_dir}/metrics.jsonl, samples.jsonl and W&B by rank 0 (elsewhere calls do nothing)."""
+    """A run's rows into {out_dir}/metrics.jsonl, samples.jsonl and W&B by rank 0 (elsewhere calls
+    do nothing)."""
 
     def __init__(self, out_dir: str, resume_step: int, samples: bool):
         rank0 = _rank0()
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.metrics = open_log(self.path, resume_step) if rank0 else None
-        self.samples = open_log(os.path.join(out_dir, "samples.jsonl"), resume_step) if rank0 and samples else None
-        self.wandb = None  # an open_wandb run on rank 0, opened by the caller (where a failure reaches every rank)
+        self.samples = (
+            open_log(os.path.join(out_dir, "samples.jsonl"), resume_step)
+            if rank0 and samples
+            else None
+        )
+        # an open_wandb run on rank 0, opened by the caller (where a failure reaches every rank)
+        self.wandb = None
 
     def write_data(self, summaries: dict[str, dict], fresh: bool) -> None:
-        """Show each data split's counts (data.tokenize_pairs' summary); a fresh run also logs them at step 0."""
+        """Show each data split's counts (data.tokenize_pairs' summary); a fresh run also logs them
+        at step 0."""
         for split, summary in summaries.items():
             d = {k: v for k, v in summary.items() if not isinstance(v, dict)}
             if fresh:
                 self.write({"step": 0, "split": f"data/{split}", **d})
             if d["pairs"] or d["dropped"]:
-                say(f"{split} data: {d['pairs']} pairs; dropped {d['dropped']} (empty response {d['dropped_empty']}, "
-                    f"identical {d['dropped_identical']}, of which after truncation "
-                    f"{d['identical_after_truncation']}); truncated {d['truncated']} (prompts "
-                    f"{d['truncated_prompts']}, responses {d['truncated_responses']})")
+                say(
+                    f"{split} data: {d['pairs']} pairs; dropped {d['dropped']} (empty response "
+                    f"{d['dropped_empty']}, identical {d['dropped_identical']}, of which after "
+                    f"truncation {d['identical_after_truncation']}); truncated {d['truncated']} "
+                    f"(prompts {d['truncated_prompts']}, responses {d['truncated_responses']})"
+                )
             elif split == "eval":
                 say("no --eval-data or --eval-fraction: evaluation skipped")
 
@@ -214,25 +300,34 @@ class RunLog:
         for f in (self.metrics, self.samples):
             if f:
                 f.close()
-        if self.metrics and not plot_metrics(self.path, os.path.join(os.path.dirname(self.path), "metrics.png")):
+        if self.metrics and not plot_metrics(
+            self.path, os.path.join(os.path.dirname(self.path), "metrics.png")
+        ):
             say("matplotlib is not installed: no metrics.png (pip install matplotlib)")
         if self.wandb:
             self.wandb.finish()
 
 
 class open_wandb:
-    """A W&B run taking rows as {split}/{metric} at the row's step, samples as a table; wandb is imported lazily."""
+    """A W&B run taking rows as {split}/{metric} at the row's step, samples as a table; wandb is
+    imported lazily."""
 
     def __init__(self, project: str, config: dict, out_dir: str):
         import wandb
+
         self._wandb = wandb
         self.run = wandb.init(project=project, config=config, dir=out_dir)
 
     def log(self, row: dict, samples: list[dict] | None = None) -> None:
-        data = {f"{row['split']}/{k}": v for k, v in row.items()
-                if k not in ("step", "split") and isinstance(v, (int, float))}
+        data = {
+            f"{row['split']}/{k}": v
+            for k, v in row.items()
+            if k not in ("step", "split") and isinstance(v, (int, float))
+        }
         if samples:
-            data["samples"] = self._wandb.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])
+            data["samples"] = self._wandb.Table(
+                columns=list(samples[0]), data=[list(s.values()) for s in samples]
+            )
         self.run.log(data, step=row["step"])
 
     def finish(self) -> None:

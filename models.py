@@ -1,13 +1,14 @@
-"""Hugging Face causal LMs to train: the built-in tiny model, or a hub id or folder, read and written one tensor
-at a time so that no process holds the whole model.
+"""Hugging Face causal LMs to train: the built-in tiny model, or a hub id or folder, read and
+written one tensor at a time so that no process holds the whole model.
 
 Copyable on its own: imports only the standard library, torch and transformers.
 
-    config = load_model_config("tiny", tokenizer)       # small files: on every rank
-    model = build_model(config)                         # parameters on the meta device, buffers computed on CPU
-    weights = open_weights("tiny", config, seed=0)      # {name: CPU tensor}; a folder's files memory-mapped
-    save_pretrained("final", model, entries, torch.bfloat16)   # entries: (name, tensor, fetch); rank 0 writes
-    key = model_identity("tiny", config, seed=0)        # what fixes its weights, for cache keys
+    config = load_model_config("tiny", tokenizer)  # small files: on every rank
+    model = build_model(config)  # parameters on the meta device, buffers computed on CPU
+    weights = open_weights("tiny", config, seed=0)  # {name: CPU tensor}; files memory-mapped
+    # entries: (name, tensor, fetch); rank 0 writes
+    save_pretrained("final", model, entries, torch.bfloat16)
+    key = model_identity("tiny", config, seed=0)  # what fixes its weights, for cache keys
 """
 
 import glob
@@ -19,26 +20,49 @@ import torch.distributed as dist
 import transformers
 
 # safetensors' dtype names
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
-           "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _FILE_BYTES = 50 * 2**30  # Hugging Face's default largest weight file
 
 
-def load_model_config(name: str, tokenizer=None, max_length: int = 0) -> transformers.PretrainedConfig:
-    """The config of "tiny" (a ~1M-parameter Llama over `tokenizer`'s vocabulary: trains on a laptop CPU, needs
-    no files), a hub id or a local folder. Raises ValueError naming the flag when it cannot be read, or when the
-    model has fewer positions than max_length."""
+def load_model_config(
+    name: str, tokenizer=None, max_length: int = 0
+) -> transformers.PretrainedConfig:
+    """The config of "tiny" (a ~1M-parameter Llama over `tokenizer`'s vocabulary: trains on a laptop
+    CPU, needs no files), a hub id or a local folder. Raises ValueError naming the flag when it
+    cannot be read, or when the model has fewer positions than max_length."""
     if name == "tiny":
         config = transformers.LlamaConfig(
-            vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=True,
-            bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+            vocab_size=len(tokenizer),
+            hidden_size=128,
+            intermediate_size=384,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+            bos_token_id=None,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
     else:
         try:
             config = transformers.AutoConfig.from_pretrained(name)
         except OSError as e:
-            raise ValueError(f"--model {name}: cannot load ({str(e).strip().splitlines()[0]})") from None
+            raise ValueError(
+                f"--model {name}: cannot load ({str(e).strip().splitlines()[0]})"
+            ) from None
     positions = getattr(config, "max_position_embeddings", None)
     if positions and max_length > positions:
         raise ValueError(f"--max-length {max_length} exceeds the model's {positions} positions")
@@ -46,15 +70,21 @@ def load_model_config(name: str, tokenizer=None, max_length: int = 0) -> transfo
 
 
 def build_model(config) -> torch.nn.Module:
-    """The model with float32 parameters on the meta device (no memory, no init) and its buffers made for real on
-    the CPU: non-persistent ones such as rotary frequency tables are computed at build time, in no weight file."""
+    """The model with float32 parameters on the meta device (no memory, no init) and its buffers
+    made for real on the CPU: non-persistent ones such as rotary frequency tables are computed at
+    build time, in no weight file."""
     register = torch.nn.Module.register_parameter
 
     def on_meta(module, name, param):
-        if param is not None and not param.is_meta:  # a tie assigns a parameter already moved: keep it one
+        if (
+            param is not None and not param.is_meta
+        ):  # a tie assigns a parameter already moved: keep it one
             param = torch.nn.Parameter(param.to("meta"), param.requires_grad)
         register(module, name, param)
-    torch.nn.Module.register_parameter = on_meta  # each layer's empty CPU tensor moves to meta before its init
+
+    torch.nn.Module.register_parameter = (
+        on_meta  # each layer's empty CPU tensor moves to meta before its init
+    )
     try:
         return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     finally:
@@ -62,16 +92,22 @@ def build_model(config) -> torch.nn.Module:
 
 
 def find_weights(name: str) -> list[str]:
-    """The local paths of a folder's or hub id's safetensors files, downloaded first if need be; [] for tiny."""
+    """The local paths of a folder's or hub id's safetensors files, downloaded first if need be; []
+    for tiny."""
     if name == "tiny":
         return []
-    index = transformers.utils.cached_file(name, "model.safetensors.index.json",
-                                           _raise_exceptions_for_missing_entries=False)
+    index = transformers.utils.cached_file(
+        name, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False
+    )
     if index is None:
-        single = transformers.utils.cached_file(name, "model.safetensors", _raise_exceptions_for_missing_entries=False)
+        single = transformers.utils.cached_file(
+            name, "model.safetensors", _raise_exceptions_for_missing_entries=False
+        )
         if single is None:
-            raise ValueError(f"--model {name}: no model.safetensors nor model.safetensors.index.json (weights in "
-                             ".bin files: load the model and save_pretrained it once to convert them)")
+            raise ValueError(
+                f"--model {name}: no model.safetensors nor model.safetensors.index.json (weights "
+                "in .bin files: load the model and save_pretrained it once to convert them)"
+            )
         return [single]
     with open(index) as f:
         files = sorted(set(json.load(f)["weight_map"].values()))
@@ -79,36 +115,47 @@ def find_weights(name: str) -> list[str]:
 
 
 def open_weights(name: str, config, seed: int) -> dict[str, torch.Tensor]:
-    """Every weight by its name in the files, as CPU tensors: a folder's or hub id's safetensors files memory-mapped
-    in their own dtype (a slice reads only its own bytes), or the tiny model's random init from `seed`."""
+    """Every weight by its name in the files, as CPU tensors: a folder's or hub id's safetensors
+    files memory-mapped in their own dtype (a slice reads only its own bytes), or the tiny model's
+    random init from `seed`."""
     if name == "tiny":
         torch.manual_seed(seed)
-        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).state_dict()
+        return transformers.AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32
+        ).state_dict()
     weights = {}
     for path in find_weights(name):
         with open(path, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(size))
-        data = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)[8 + size:]
+        data = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)[
+            8 + size :
+        ]
         for key, meta in header.items():
             if key != "__metadata__":
                 (begin, end), dtype = meta["data_offsets"], _DTYPES[meta["dtype"]]
-                # A typed view needs aligned bytes, which writers other than this one need not give: then a copy.
+                # A typed view needs aligned bytes, which writers other than this one need not give:
+                # then a copy.
                 piece = data[begin:end].clone() if begin % dtype.itemsize else data[begin:end]
                 weights[key] = piece.view(dtype).view(meta["shape"])
     return weights
 
 
 def save_pretrained(folder: str, model: torch.nn.Module, entries: list, dtype: torch.dtype) -> None:
-    """A Hugging Face folder of `model` (config, generation config) with the weights of `entries`, floats in `dtype`,
-    as model.safetensors (numbered files and their index past 50 GB), holding one tensor at a time. entries:
-    (name, tensor, fetch): the model's tensor, sharded or not, for its shape and dtype, and fetch() its full value.
-    Every rank calls, as fetch may be a collective; rank 0 writes."""
+    """A Hugging Face folder of `model` (config, generation config) with the weights of `entries`,
+    floats in `dtype`, as model.safetensors (numbered files and their index past 50 GB), holding one
+    tensor at a time. entries: (name, tensor, fetch): the model's tensor, sharded or not, for its
+    shape and dtype, and fetch() its full value. Every rank calls, as fetch may be a collective;
+    rank 0 writes."""
     if dist.is_initialized() and dist.get_rank() > 0:
         for _, _, fetch in entries:  # in rank 0's order
             fetch()
         return
-    files, size, total = [[]], 0, 0  # each file's (name, tensor, fetch, dtype written), a new file past 50 GB
+    files, size, total = (
+        [[]],
+        0,
+        0,
+    )  # each file's (name, tensor, fetch, dtype written), a new file past 50 GB
     for name, tensor, fetch in entries:
         out = dtype if tensor.is_floating_point() else tensor.dtype
         if files[-1] and size + tensor.numel() * out.itemsize > _FILE_BYTES:
@@ -118,19 +165,30 @@ def save_pretrained(folder: str, model: torch.nn.Module, entries: list, dtype: t
         size += tensor.numel() * out.itemsize
         total += tensor.numel() * out.itemsize
     os.makedirs(folder, exist_ok=True)
-    for old in glob.glob(os.path.join(folder, "model*.safetensors*")):  # an earlier export's, maybe split otherwise
+    for old in glob.glob(
+        os.path.join(folder, "model*.safetensors*")
+    ):  # an earlier export's, maybe split otherwise
         os.remove(old)
     model.config.dtype = dtype  # not the float32 masters' dtype: the export's
-    model.config.architectures = [type(model).__name__.removeprefix("FSDP")]  # what vLLM builds; not FSDP2's class
+    model.config.architectures = [
+        type(model).__name__.removeprefix("FSDP")
+    ]  # what vLLM builds; not FSDP2's class
     model.config.save_pretrained(folder)
     model.generation_config.save_pretrained(folder)  # a causal LM's
     weight_map = {}
     for i, group in enumerate(files):
-        file = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" if len(files) > 1 else "model.safetensors"
+        file = (
+            f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+            if len(files) > 1
+            else "model.safetensors"
+        )
         header, offset = {"__metadata__": {"format": "pt"}}, 0
         for name, tensor, _, out in group:
-            header[name] = {"dtype": _NAMES[out], "shape": list(tensor.shape),
-                            "data_offsets": [offset, offset + tensor.numel() * out.itemsize]}
+            header[name] = {
+                "dtype": _NAMES[out],
+                "shape": list(tensor.shape),
+                "data_offsets": [offset, offset + tensor.numel() * out.itemsize],
+            }
             offset = header[name]["data_offsets"][1]
             weight_map[name] = file
         text = json.dumps(header).encode()
@@ -147,11 +205,17 @@ def save_pretrained(folder: str, model: torch.nn.Module, entries: list, dtype: t
 
 
 def model_identity(name: str, config, seed: int) -> dict:
-    """What fixes a model's initial weights: the seed for tiny; else the name, the hub commit, the weight files."""
+    """What fixes a model's initial weights: the seed for tiny; else the name, the hub commit, the
+    weight files."""
     if name == "tiny":
         return {"tiny": seed, "config": config.to_dict()}
     folder = os.path.expanduser(name)
-    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []  # a hub id: its commit says it all
-    files = [(f, os.path.getsize(os.path.join(folder, f)), os.path.getmtime(os.path.join(folder, f)))
-             for f in names if f.endswith((".safetensors", ".bin"))]
+    names = (
+        sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    )  # a hub id: its commit says it all
+    files = [
+        (f, os.path.getsize(os.path.join(folder, f)), os.path.getmtime(os.path.join(folder, f)))
+        for f in names
+        if f.endswith((".safetensors", ".bin"))
+    ]
     return {"name": name, "commit": getattr(config, "_commit_hash", None), "files": files}

@@ -1,9 +1,10 @@
-"""Precision modes: one name maps to the compute dtype, the FSDP2 mixed-precision policy and the loss scaler.
+"""Precision modes: one name maps to the compute dtype, the FSDP2 mixed-precision policy and the
+loss scaler.
 
 Copyable on its own: imports only the standard library and torch.
 
-In every mode the sharded master weights, their gradients after reduction and the optimizer state are
-float32; only the all-gathered copy used for forward and backward takes the compute dtype.
+In every mode the sharded master weights, their gradients after reduction and the optimizer state
+are float32; only the all-gathered copy used for forward and backward takes the compute dtype.
 
     name   forward/backward   gradient reduce-scatter   loss scaling
     fp32   float32            float32                   no
@@ -11,7 +12,8 @@ float32; only the all-gathered copy used for forward and backward takes the comp
     fp16   float16            float32                   torch.amp.GradScaler
     auto   bf16 on a CUDA device with native bfloat16 (Ampere or newer), otherwise fp32
 
-On a CPU auto is fp32: bf16 crawls without native bf16 instructions (BENCHMARKS.md), and fp32 runs alike on all.
+On a CPU auto is fp32: bf16 crawls without native bf16 instructions (BENCHMARKS.md), and fp32 runs
+alike on all.
 """
 
 import math
@@ -30,12 +32,14 @@ class PrecisionConfig:
     precision: PrecisionName = "auto"
     """Compute precision; master weights, gradient reduction and optimizer state stay float32."""
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
-    """Gradient reduce-scatter dtype. bf16 (with --precision bf16 only) halves the traffic but rounds the sum."""
+    """Gradient reduce-scatter dtype. bf16 (with --precision bf16 only) halves the traffic but
+    rounds the sum."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
     max_skipped_steps: int = 5
-    """Stop after this many consecutive steps with a non-finite loss or gradient norm (each skipped on all ranks).
-    fp16 steps whose loss is finite but whose gradients overflow only lower the loss scale and do not count."""
+    """Stop after this many consecutive steps with a non-finite loss or gradient norm (each skipped
+    on all ranks). fp16 steps whose loss is finite but whose gradients overflow only lower the loss
+    scale and do not count."""
 
     def __post_init__(self):
         if not self.max_grad_norm >= 0:
@@ -48,52 +52,78 @@ class PrecisionConfig:
 class Precision:
     name: str  # the resolved mode: fp32, bf16 or fp16 (never auto)
     compute_dtype: torch.dtype  # of the gathered parameters, activations and logits
-    mp_policy: MixedPrecisionPolicy  # FSDP2's: gather parameters in compute_dtype, reduce gradients in --reduce-dtype
-    scaler: torch.amp.GradScaler  # fp16's dynamic loss scaling; disabled otherwise: scale, unscale_, step pass through
-    warning: str | None = None  # why this choice will be slow on this machine, to print once; None when it will not
+    # FSDP2's: gather parameters in compute_dtype, reduce gradients in --reduce-dtype
+    mp_policy: MixedPrecisionPolicy
+    scaler: (
+        torch.amp.GradScaler
+    )  # fp16's dynamic loss scaling; disabled otherwise: scale, unscale_, step pass through
+    warning: str | None = (
+        None  # why this choice will be slow on this machine, to print once; None when it will not
+    )
 
 
 def resolve_precision(config: PrecisionConfig, device: torch.device) -> Precision:
-    """The dtypes, FSDP2 policy and GradScaler of `config` on `device`; ValueError for a combination it can't run."""
+    """The dtypes, FSDP2 policy and GradScaler of `config` on `device`; ValueError for a combination
+    it can't run."""
     name = config.precision
     choices = ", ".join(get_args(PrecisionName))
     if name not in get_args(PrecisionName):
         raise ValueError(f"--precision {name!r} is not one of {choices}")
-    # Emulation does not count: a V100 or T4 "supports" bf16 through float32 kernels, far slower than fp16.
-    native_gpu_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+    # Emulation does not count: a V100 or T4 "supports" bf16 through float32 kernels, far slower
+    # than fp16.
+    native_gpu_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(
+        including_emulation=False
+    )
     if name == "auto":
         name = "bf16" if native_gpu_bf16 else "fp32"
     if name == "bf16" and device.type == "cuda" and not native_gpu_bf16:
         gpu = torch.cuda.get_device_name(device)
-        raise ValueError(f"--precision bf16: {gpu} has no native bfloat16; choose fp16 or fp32 ({choices})")
+        raise ValueError(
+            f"--precision bf16: {gpu} has no native bfloat16; choose fp16 or fp32 ({choices})"
+        )
     if name != "fp32" and device.type not in ("cuda", "cpu"):
-        raise ValueError(f"--precision {name}: not supported on device {device.type}; choose fp32 ({choices})")
+        raise ValueError(
+            f"--precision {name}: not supported on device {device.type}; choose fp32 ({choices})"
+        )
     if config.reduce_dtype not in ("fp32", "bf16"):
         raise ValueError(f"--reduce-dtype {config.reduce_dtype!r} is not one of fp32, bf16")
     if config.reduce_dtype == "bf16" and name != "bf16":
         raise ValueError(f"--reduce-dtype bf16 needs --precision bf16 (resolved precision: {name})")
     dtype = _DTYPES[name]
-    # Float32 by default: summing N bf16/fp16 gradients loses bits, and fp16 can overflow mid-reduction.
+    # Float32 by default: summing N bf16/fp16 gradients loses bits, and fp16 can overflow
+    # mid-reduction.
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=_DTYPES[config.reduce_dtype])
     scaler = torch.amp.GradScaler(device.type, enabled=name == "fp16")
     warning = None
     if name == "bf16" and device.type == "cpu" and cpu_has_native_bf16() is False:
-        warning = ("--precision bf16: this CPU has no native bfloat16 (no avx512_bf16 or amx_bf16 in /proc/cpuinfo): "
-                   "bf16 matmuls are emulated, many times slower than fp32; --precision fp32 (or auto) is faster here")
-    return Precision(name=name, compute_dtype=dtype, mp_policy=policy, scaler=scaler, warning=warning)
+        warning = (
+            "--precision bf16: this CPU has no native bfloat16 (no avx512_bf16 or amx_bf16 in "
+            "/proc/cpuinfo): bf16 matmuls are emulated, many times slower than fp32; --precision "
+            "fp32 (or auto) is faster here"
+        )
+    return Precision(
+        name=name, compute_dtype=dtype, mp_policy=policy, scaler=scaler, warning=warning
+    )
 
 
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
-    """Whether this CPU has native bfloat16 (x86: avx512_bf16 or amx_bf16; Arm: bf16); None without cpuinfo."""
+    """Whether this CPU has native bfloat16 (x86: avx512_bf16 or amx_bf16; Arm: bf16); None without
+    cpuinfo."""
     try:
         with open(cpuinfo) as f:
-            flags = {word for line in f if line.startswith(("flags", "Features")) for word in line.split()}
+            flags = {
+                word
+                for line in f
+                if line.startswith(("flags", "Features"))
+                for word in line.split()
+            }
     except FileNotFoundError:
         return None
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def skip_counts(scaler: torch.amp.GradScaler, loss: float) -> bool:
-    """Whether a skipped step counts toward --max-skipped-steps: not when its loss is finite and fp16's gradients
-    overflowed, which is the scaler finding its scale, unless the scale is below 1, where halving is no cure."""
+    """Whether a skipped step counts toward --max-skipped-steps: not when its loss is finite and
+    fp16's gradients overflowed, which is the scaler finding its scale, unless the scale is below 1,
+    where halving is no cure."""
     return not (scaler.is_enabled() and math.isfinite(loss) and scaler.get_scale() >= 1)

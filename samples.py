@@ -1,10 +1,11 @@
-"""Evaluation samples: completions from a causal LM that may be sharded with FSDP2 over N ranks, without hanging;
-when to evaluate (SampleConfig).
+"""Evaluation samples: completions from a causal LM that may be sharded with FSDP2 over N ranks,
+without hanging; when to evaluate (SampleConfig).
 
 Copyable on its own: imports only the standard library and torch.
 
-    completions = generate(model, [prompt_ids, ...], max_new_tokens=48, eos_id=tok.eos_token_id, pad_id=0)
-    rows = sample_completions(model, tok, [prompt_ids, ...], SampleConfig(), pad_id=0)  # {"prompt", "completion"}
+    completions = generate(model, [prompt_ids, ...], 48, eos_id=tok.eos_token_id, pad_id=0)
+    # [{"prompt", "completion"}, ...]
+    rows = sample_completions(model, tok, [prompt_ids, ...], SampleConfig(), pad_id=0)
 """
 
 from dataclasses import dataclass
@@ -16,15 +17,19 @@ import torch.distributed as dist
 @dataclass
 class SampleConfig:
     eval_every: int = 0
-    """Evaluate on the held-out set every N steps; 0 means only at the end (and before, with --eval-before)."""
+    """Evaluate on the held-out set every N steps; 0 means only at the end (and before, with
+    --eval-before)."""
     eval_before: bool = True
-    """Also evaluate and sample before the first step: the baseline of the curves and of the demo's scorer share."""
+    """Also evaluate and sample before the first step: the baseline of the curves and of the demo's
+    scorer share."""
     num_samples: int = 8
-    """At each evaluation, complete the first N held-out prompts into {out_dir}/samples.jsonl; 0 disables."""
+    """At each evaluation, complete the first N held-out prompts into {out_dir}/samples.jsonl; 0
+    disables."""
     sample_max_tokens: int = 64
     """Most new tokens per sampled completion."""
     sample_temperature: float = 0.0
-    """0: greedy completions; above 0: sampled at this temperature with a generator seeded by --seed."""
+    """0: greedy completions; above 0: sampled at this temperature with a generator seeded by
+    --seed."""
 
     def __post_init__(self):
         if self.eval_every < 0:
@@ -37,27 +42,59 @@ class SampleConfig:
             raise ValueError(f"--sample-temperature must be >= 0, got {self.sample_temperature}")
 
 
-def sample_completions(model, tokenizer, prompts: list[list[int]], config: SampleConfig, pad_id: int,
-                       seed: int = 0, device: torch.device | None = None) -> list[dict[str, str]]:
-    """generate's completions under `config` as {"prompt", "completion"} texts; a collective like generate."""
+def sample_completions(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    config: SampleConfig,
+    pad_id: int,
+    seed: int = 0,
+    device: torch.device | None = None,
+) -> list[dict[str, str]]:
+    """generate's completions under `config` as {"prompt", "completion"} texts; a collective like
+    generate."""
     if not prompts:
         return []
-    completions = generate(model, prompts, config.sample_max_tokens, tokenizer.eos_token_id, pad_id,
-                           config.sample_temperature, seed, device)
-    return [{"prompt": tokenizer.decode(p, skip_special_tokens=True),
-             "completion": tokenizer.decode(c, skip_special_tokens=True)} for p, c in zip(prompts, completions)]
+    completions = generate(
+        model,
+        prompts,
+        config.sample_max_tokens,
+        tokenizer.eos_token_id,
+        pad_id,
+        config.sample_temperature,
+        seed,
+        device,
+    )
+    return [
+        {
+            "prompt": tokenizer.decode(p, skip_special_tokens=True),
+            "completion": tokenizer.decode(c, skip_special_tokens=True),
+        }
+        for p, c in zip(prompts, completions)
+    ]
 
 
 @torch.no_grad()
-def generate(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int, pad_id: int,
-             temperature: float = 0.0, seed: int = 0, device: torch.device | None = None) -> list[list[int]]:
-    """Each prompt's completion ids without EOS: greedy at temperature 0, else sampled from a generator seeded by
-    `seed`. A collective under torch.distributed, as every FSDP2 forward is one: call it on every rank. Unlike
-    Hugging Face's `generate`, which stops when this rank's sequences end and hangs the others, ranks stop together.
-    device: where forward runs (default: the parameters'; give it when they are offloaded to the host)."""
+def generate(
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    device: torch.device | None = None,
+) -> list[list[int]]:
+    """Each prompt's completion ids without EOS: greedy at temperature 0, else sampled from a
+    generator seeded by `seed`. A collective under torch.distributed, as every FSDP2 forward is one:
+    call it on every rank. Unlike Hugging Face's `generate`, which stops when this rank's sequences
+    end and hangs the others, ranks stop together. device: where forward runs (default: the
+    parameters'; give it when they are offloaded to the host)."""
     device = device or next(model.parameters()).device
     width = max(len(p) for p in prompts)
-    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)  # (B, P) left-padded
+    input_ids = torch.tensor(
+        [[pad_id] * (width - len(p)) + p for p in prompts], device=device
+    )  # (B, P) left-padded
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     generator = torch.Generator(device).manual_seed(seed)
@@ -66,11 +103,18 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int, 
     was_training = model.training
     model.eval()
     for _ in range(max_new_tokens):
-        result = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                       use_cache=True)
+        result = model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+        )
         cache, logits = result.past_key_values, result.logits[:, -1].float()  # (B, V)
         if temperature > 0:
-            token = torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator)[:, 0]
+            token = torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator)[
+                :, 0
+            ]
         else:
             token = logits.argmax(-1)
         token = token.masked_fill(done, pad_id)
@@ -81,8 +125,11 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int, 
             dist.all_reduce(all_done, op=dist.ReduceOp.MIN)  # stop only when every rank is done
         if all_done.item():
             break
-        input_ids, positions = token[:, None], positions[:, -1:] + 1  # (B, 1): the cache holds the rest
+        input_ids, positions = (
+            token[:, None],
+            positions[:, -1:] + 1,
+        )  # (B, 1): the cache holds the rest
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
     model.train(was_training)
     rows = torch.stack(out, dim=1).tolist()  # (B, new tokens)
-    return [row[:row.index(eos_id)] if eos_id in row else row for row in rows]
+    return [row[: row.index(eos_id)] if eos_id in row else row for row in rows]

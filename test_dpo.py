@@ -1,9 +1,9 @@
-"""Tests against independent references: hand-computed math, Hugging Face's own loss, naive float32 code,
-a 1-rank run. Tiny models, a few minutes on 2 cores: `pytest test_dpo.py`.
+"""Tests against independent references: hand-computed math, Hugging Face's own loss, naive float32
+code, a 1-rank run. Tiny models, a few minutes on 2 cores: `pytest test_dpo.py`.
 
-The trainer's runs here mean the CPU (--device cpu, gloo), so they compare bit for bit with CPU references on
-any machine. Tests that need a GPU say so (needs_cuda) and are skipped without one; they run the same
-checks on CUDA with nccl."""
+The trainer's runs here mean the CPU (--device cpu, gloo), so they compare bit for bit with CPU
+references on any machine. Tests that need a GPU say so (needs_cuda) and are skipped without one;
+they run the same checks on CUDA with nccl."""
 
 import ast
 import contextlib
@@ -37,12 +37,28 @@ import metrics
 import models
 import precision
 from batches import build_batches, build_eval_batches, collate_pairs, pair_lengths, rank_share
-from data import (DataConfig, DataError, PairTokens, load_tokenizer, load_tokens, read_rows, tokenize_pairs,
-                  tokenize_to_cache, write_jsonl)
+from data import (
+    DataConfig,
+    DataError,
+    PairTokens,
+    load_tokenizer,
+    load_tokens,
+    read_rows,
+    tokenize_pairs,
+    tokenize_to_cache,
+    write_jsonl,
+)
 from demo import demo_pairs, score_completion
 from fsdp_setup import apply_ac, find_block_class, full_tensors
 from lora import LoraConfig, WithoutAdapters, initial_weights
-from loss import add_scored_head, pair_logps, pair_loss, preference_loss, response_logps, sequence_logps
+from loss import (
+    add_scored_head,
+    pair_logps,
+    pair_loss,
+    preference_loss,
+    response_logps,
+    sequence_logps,
+)
 from metrics import PAIR_METRICS, device_peak_flops
 from models import build_model, load_model_config, open_weights
 from precision import PrecisionConfig, resolve_precision
@@ -51,10 +67,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ON_CPU = ("--device", "cpu")
 GPUS = torch.cuda.device_count()
 needs_cuda = pytest.mark.skipif(not GPUS, reason="needs a CUDA GPU")
-needs_cuda_bf16 = pytest.mark.skipif(not GPUS or not torch.cuda.is_bf16_supported(including_emulation=False),
-                                     reason="needs a CUDA GPU with native bfloat16")
+needs_cuda_bf16 = pytest.mark.skipif(
+    not GPUS or not torch.cuda.is_bf16_supported(including_emulation=False),
+    reason="needs a CUDA GPU with native bfloat16",
+)
 CACHE = tempfile.mkdtemp(prefix="dpo-test-cache-")  # tokenized data, shared by the tests' runs
-SUBPROCESS_ENV = {**os.environ, "PYTHONPATH": HERE}  # the repo's files importable from a script in tmp_path
+SUBPROCESS_ENV = {
+    **os.environ,
+    "PYTHONPATH": HERE,
+}  # the repo's files importable from a script in tmp_path
 CPU = torch.device("cpu")
 
 
@@ -80,23 +101,26 @@ def tiny_model(config, seed):
 
 
 def tiny(seed):
-    """The trainer's default model, built in full on CPU with its output layer scoring responses, and its
-    tokenizer."""
+    """The trainer's default model, built in full on CPU with its output layer scoring responses,
+    and its tokenizer."""
     config, tokenizer = tiny_config()
     return add_scored_head(tiny_model(config, seed)), tokenizer
 
 
 def forward_pairs(policy, reference, batch, objective, ref_logps=None, tokens_per_pair=None):
-    """The trainer's forward and loss of a micro-batch (loss.pair_logps, then loss.pair_loss); `ref_logps` (2B,)
-    stands for --ref precompute's rows."""
+    """The trainer's forward and loss of a micro-batch (loss.pair_logps, then loss.pair_loss);
+    `ref_logps` (2B,) stands for --ref precompute's rows."""
     logps, ref, wpo = pair_logps(policy, reference, batch, objective, ref_logps)
     return pair_loss(logps, ref, batch.response_lengths, objective, tokens_per_pair, wpo)
 
 
 def tokenize(pairs, tok, max_length=128, max_prompt_length=64, truncation="keep_end"):
-    """data.tokenize_pairs on in-memory {"prompt", "chosen", "rejected"} dicts, as a list of token dicts."""
+    """data.tokenize_pairs on in-memory {"prompt", "chosen", "rejected"} dicts, as a list of token
+    dicts."""
     rows = [{"prompt": None, **p, "where": f"test:{i + 1}"} for i, p in enumerate(pairs)]
-    config = DataConfig(max_length=max_length, max_prompt_length=max_prompt_length, truncation=truncation)
+    config = DataConfig(
+        max_length=max_length, max_prompt_length=max_prompt_length, truncation=truncation
+    )
     tokens, _ = tokenize_pairs(rows, tok, config)
     return [tokens[i] for i in range(len(tokens))]
 
@@ -110,7 +134,9 @@ def as_tokens(pairs):
 
 def prepare_data(config, tokenizer, cache_dir):
     """(train, eval, summary) of a DataConfig on one process, cached in cache_dir."""
-    return load_tokens(tokenize_to_cache(dataclasses.replace(config, cache_dir=cache_dir), tokenizer))
+    return load_tokens(
+        tokenize_to_cache(dataclasses.replace(config, cache_dir=cache_dir), tokenizer)
+    )
 
 
 def _write_jsonl(path, rows):
@@ -127,28 +153,46 @@ PLOT_METRICS = metrics.plot_metrics
 
 @pytest.fixture(scope="session", autouse=True)
 def _no_plots():
-    """The tests' runs draw no metrics.png (matplotlib takes longer than a tiny run's step); the plot has its own
-    test, which puts metrics.plot_metrics back."""
+    """The tests' runs draw no metrics.png (matplotlib takes longer than a tiny run's step); the
+    plot has its own test, which puts metrics.plot_metrics back."""
+
     def skip_plot(jsonl_path, png_path):
         return True
+
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(metrics, "plot_metrics", skip_plot)
         yield
 
 
-# The held-out set of the tests' demo runs: the first 16 of the demo's 256, so that an evaluation is cheap.
+# The held-out set of the tests' demo runs: the first 16 of the demo's 256, so that an evaluation is
+# cheap.
 HELD_OUT_PAIRS = demo_pairs("eval")[:16]
 HELD_OUT = write_jsonl(os.path.join(CACHE, "held-out.jsonl"), HELD_OUT_PAIRS)
 
 
 def trainer_args(out, *args, device="cpu"):
-    """The tests' train_dpo.py flags: the demo data with HELD_OUT (unless args name data), batches of 16, no
-    samples or step-0 evaluation unless asked."""
+    """The tests' train_dpo.py flags: the demo data with HELD_OUT (unless args name data), batches
+    of 16, no samples or step-0 evaluation unless asked."""
     held_out = []
     if not {"--data", "--eval-data", "--eval-fraction"} & set(args):
         held_out = ["--eval-data", HELD_OUT]
-    return ["--out-dir", str(out), "--cache-dir", CACHE, "--batch-size", "16", "--warmup-steps", "2", "--num-samples",
-            "0", "--no-eval-before", "--device", device, *held_out, *args]
+    return [
+        "--out-dir",
+        str(out),
+        "--cache-dir",
+        CACHE,
+        "--batch-size",
+        "16",
+        "--warmup-steps",
+        "2",
+        "--num-samples",
+        "0",
+        "--no-eval-before",
+        "--device",
+        device,
+        *held_out,
+        *args,
+    ]
 
 
 def run(tmp_path, name, *args, device="cpu"):
@@ -159,10 +203,22 @@ def run(tmp_path, name, *args, device="cpu"):
 
 
 def torchrun(nproc, out, *args, script=None, device="cpu", env=None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(script or os.path.join(HERE, "train_dpo.py")), *trainer_args(out, *args, device=device)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**SUBPROCESS_ENV, "OMP_NUM_THREADS": "1", **(env or {})})  # a core per rank
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(script or os.path.join(HERE, "train_dpo.py")),
+        *trainer_args(out, *args, device=device),
+    ]
+    return subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**SUBPROCESS_ENV, "OMP_NUM_THREADS": "1", **(env or {})},
+    )  # a core per rank
 
 
 RUNS = """
@@ -182,21 +238,34 @@ for argv in json.loads(sys.argv[1]):  # runs in turn, each with a process group 
         train_dpo.main(argv)
     except RuntimeError as e:  # recorded for the test to read: the next run goes on
         error = str(e)
-    with open(os.path.join(argv[argv.index("--out-dir") + 1], f"run-{os.environ['RANK']}.json"), "w") as f:
+    out_dir = argv[argv.index("--out-dir") + 1]
+    with open(os.path.join(out_dir, f"run-{os.environ['RANK']}.json"), "w") as f:
         json.dump({"tokenize_calls": len(calls), "error": error}, f)
 train_dpo.exit_without_shutdown(0)
 """
 
 
 def torchrun_runs(nproc, runs, pythonpath=()):
-    """Several trainer runs (lists of trainer_args) in turn in one start of nproc ranks: fewer process starts. Each
-    run's out_dir gets run-{rank}.json: its data.tokenize_pairs calls there, and the RuntimeError that ended it."""
+    """Several trainer runs (lists of trainer_args) in turn in one start of nproc ranks: fewer
+    process starts. Each run's out_dir gets run-{rank}.json: its data.tokenize_pairs calls there,
+    and the RuntimeError that ended it."""
     script = os.path.join(CACHE, "runs.py")
     with open(script, "w") as f:
         f.write(RUNS)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script,
-           json.dumps(runs)]
-    env = {**SUBPROCESS_ENV, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([HERE, *pythonpath])}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        script,
+        json.dumps(runs),
+    ]
+    env = {
+        **SUBPROCESS_ENV,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([HERE, *pythonpath]),
+    }
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
 
 
@@ -216,10 +285,11 @@ def _adapters(out):
 
 def load_safetensors_file(path):
     from safetensors.torch import load_file
+
     return load_file(path)
 
 
-# ---------------------------------------------------------------------------------------------- loss.py
+# ------------------------------------------------------------------------------------------ loss.py
 def _logsig(x):  # log sigmoid, without overflow at large |x|
     return min(x, 0.0) - math.log1p(math.exp(-abs(x)))
 
@@ -228,24 +298,51 @@ def _sig(x):
     return math.exp(_logsig(x))
 
 
-LOSSES = ["dpo", "cdpo", "ipo", "hinge", "robust", "simpo", "exo_pair", "nca_pair", "bco_pair", "sppo_hard",
-          "apo_zero", "apo_down", "discopop", "aot", "aot_pair", "dpo_norm", "sft"]
+LOSSES = [
+    "dpo",
+    "cdpo",
+    "ipo",
+    "hinge",
+    "robust",
+    "simpo",
+    "exo_pair",
+    "nca_pair",
+    "bco_pair",
+    "sppo_hard",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "aot",
+    "aot_pair",
+    "dpo_norm",
+    "sft",
+]
 
 
 @pytest.mark.parametrize("loss_type", LOSSES)
 def test_preference_loss_matches_hand_computed_values(loss_type):
-    # The last two pairs have margins of +-1000 (beta h = +-250): exp(250) is inf in float32, so a loss that
-    # forms it (DiscoPOP's exp(-z)) must be computed stably, with finite values and gradients.
+    # The last two pairs have margins of +-1000 (beta h = +-250): exp(250) is inf in float32, so a
+    # loss that forms it (DiscoPOP's exp(-z)) must be computed stably, with finite values and
+    # gradients.
     pc, pr = [-1.0, -4.0, -2.5, -1.0, -1000.0], [-2.0, -1.0, -3.0, -1000.0, -1.0]
     rc, rr = [-1.5, -3.0, -2.0, -500.0, -500.0], [-1.5, -2.0, -2.0, -500.0, -500.0]
     beta, eps, gamma, tau = 0.25, (0.2 if loss_type in ("cdpo", "robust") else 0.0), 0.3, 0.05
     sig, n = _sig, len(pc)
+
     def dpo(z):
         return -_logsig(z)
-    # bco_pair's shift: the batch mean of all rewards; aot and aot_pair pair up sorted values across the batch.
+
+    # bco_pair's shift: the batch mean of all rewards; aot and aot_pair pair up sorted values across
+    # the batch.
     d = beta * sum((a - c) + (b - e) for a, b, c, e in zip(pc, pr, rc, rr)) / (2 * n)
-    policy_margins, ref_margins = sorted(a - b for a, b in zip(pc, pr)), sorted(c - e for c, e in zip(rc, rr))
-    chosen_ratios, rejected_ratios = sorted(a - c for a, c in zip(pc, rc)), sorted(b - e for b, e in zip(pr, rr))
+    policy_margins, ref_margins = (
+        sorted(a - b for a, b in zip(pc, pr)),
+        sorted(c - e for c, e in zip(rc, rr)),
+    )
+    chosen_ratios, rejected_ratios = (
+        sorted(a - c for a, c in zip(pc, rc)),
+        sorted(b - e for b, e in zip(pr, rr)),
+    )
     aot = [beta * (x - y) for x, y in zip(policy_margins, ref_margins)]
     aot_pair = [beta * (x - y) for x, y in zip(chosen_ratios, rejected_ratios)]
     expected = []
@@ -253,39 +350,58 @@ def test_preference_loss_matches_hand_computed_values(loss_type):
         cw, rw = a - c, b - e
         h = cw - rw
         z = beta * h
-        expected.append({
-            "exo_pair": sig(z) * (_logsig(z) - math.log(1 - 1e-3)) + sig(-z) * (_logsig(-z) - math.log(1e-3)),
-            "nca_pair": -_logsig(beta * cw) - 0.5 * _logsig(-beta * cw) - 0.5 * _logsig(-beta * rw),
-            "bco_pair": -_logsig(beta * cw - d) - _logsig(-(beta * rw - d)),
-            "sppo_hard": (cw - 0.5 / beta) ** 2 + (rw + 0.5 / beta) ** 2,
-            "apo_zero": (1 - sig(beta * cw)) + sig(beta * rw),
-            "apo_down": sig(beta * cw) + (1 - sig(z)),
-            "discopop": (1 - sig(z / tau)) * dpo(z) + math.exp(_logsig(z / tau) - z),
-            "aot": dpo(aot[i]),
-            "aot_pair": dpo(aot_pair[i]),
-            "dpo_norm": dpo(z),  # the formula of dpo; the mean log-probs are the caller's (LossConfig.averages)
-            "sft": 0.0,  # all of it is chosen_nll, added by the caller
+        expected.append(
+            {
+                "exo_pair": sig(z) * (_logsig(z) - math.log(1 - 1e-3))
+                + sig(-z) * (_logsig(-z) - math.log(1e-3)),
+                "nca_pair": -_logsig(beta * cw)
+                - 0.5 * _logsig(-beta * cw)
+                - 0.5 * _logsig(-beta * rw),
+                "bco_pair": -_logsig(beta * cw - d) - _logsig(-(beta * rw - d)),
+                "sppo_hard": (cw - 0.5 / beta) ** 2 + (rw + 0.5 / beta) ** 2,
+                "apo_zero": (1 - sig(beta * cw)) + sig(beta * rw),
+                "apo_down": sig(beta * cw) + (1 - sig(z)),
+                "discopop": (1 - sig(z / tau)) * dpo(z) + math.exp(_logsig(z / tau) - z),
+                "aot": dpo(aot[i]),
+                "aot_pair": dpo(aot_pair[i]),
+                "dpo_norm": dpo(
+                    z
+                ),  # the formula of dpo; the mean log-probs are the caller's (LossConfig.averages)
+                "sft": 0.0,  # all of it is chosen_nll, added by the caller
+                "dpo": dpo(z),
+                "cdpo": -(1 - eps) * _logsig(beta * h) - eps * _logsig(-beta * h),
+                "ipo": (h - 1 / (2 * beta)) ** 2,
+                "hinge": max(0.0, 1 - beta * h),
+                "robust": (-(1 - eps) * _logsig(beta * h) + eps * _logsig(-beta * h))
+                / (1 - 2 * eps),
+                "simpo": -_logsig(beta * (a - b) - gamma),
+            }[loss_type]
+        )
 
-            "dpo": dpo(z),
-            "cdpo": -(1 - eps) * _logsig(beta * h) - eps * _logsig(-beta * h),
-            "ipo": (h - 1 / (2 * beta)) ** 2,
-            "hinge": max(0.0, 1 - beta * h),
-            "robust": (-(1 - eps) * _logsig(beta * h) + eps * _logsig(-beta * h)) / (1 - 2 * eps),
-            "simpo": -_logsig(beta * (a - b) - gamma),
-        }[loss_type])
     def t(xs):
         return torch.tensor(xs, dtype=torch.float64, requires_grad=True)
+
     free = loss_type in ("simpo", "sft")
     inputs = [t(pc), t(pr)] + ([] if free else [t(rc), t(rr)])
     refs = (None, None) if free else inputs[2:]
-    losses, cr, rj = preference_loss(*inputs[:2], *refs, loss_type="dpo" if loss_type == "cdpo" else loss_type,
-                                     beta=beta, label_smoothing=eps, simpo_gamma=gamma, discopop_tau=tau)
+    losses, cr, rj = preference_loss(
+        *inputs[:2],
+        *refs,
+        loss_type="dpo" if loss_type == "cdpo" else loss_type,
+        beta=beta,
+        label_smoothing=eps,
+        simpo_gamma=gamma,
+        discopop_tau=tau,
+    )
     assert losses.dtype == torch.float32 and losses.shape == (n,)
     assert losses.tolist() == pytest.approx(expected, rel=1e-6, abs=1e-7)
     if loss_type != "sft":  # its loss is all in chosen_nll: nothing to differentiate here
         losses.sum().backward()
         assert all(torch.isfinite(x.grad).all() for x in inputs)
-    assert train_dpo.LossConfig(loss=loss_type if loss_type != "cdpo" else "dpo").reference_free == free
+    assert (
+        train_dpo.LossConfig(loss=loss_type if loss_type != "cdpo" else "dpo").reference_free
+        == free
+    )
     base_c, base_r = ([0.0] * n, [0.0] * n) if free else (rc, rr)
     assert cr.tolist() == pytest.approx([beta * (a - c) for a, c in zip(pc, base_c)], rel=1e-6)
     assert rj.tolist() == pytest.approx([beta * (b - d) for b, d in zip(pr, base_r)], rel=1e-6)
@@ -293,16 +409,21 @@ def test_preference_loss_matches_hand_computed_values(loss_type):
 
 def test_chosen_nll_is_the_token_mean_however_the_batch_is_split():
     from loss import chosen_nll
+
     logps, tokens = torch.tensor([-6.0, -2.0, -9.0, -3.0]), torch.tensor([3, 1, 6, 2])
     token_mean = -logps.sum() / tokens.sum()  # 20 / 12
     per_pair = tokens.sum().item() / 4
-    halves = torch.cat([chosen_nll(logps[:2], per_pair), chosen_nll(logps[2:], per_pair)])  # two micro-batches
+    halves = torch.cat(
+        [chosen_nll(logps[:2], per_pair), chosen_nll(logps[2:], per_pair)]
+    )  # two micro-batches
     assert halves.mean().item() == pytest.approx(token_mean.item(), rel=1e-6)
 
 
 def test_rewards_are_detached_and_reference_is_required():
     pc = torch.tensor([-1.0], requires_grad=True)
-    losses, cr, rr = preference_loss(pc, torch.tensor([-2.0]), torch.tensor([-1.0]), torch.tensor([-1.0]))
+    losses, cr, rr = preference_loss(
+        pc, torch.tensor([-2.0]), torch.tensor([-1.0]), torch.tensor([-1.0])
+    )
     assert losses.requires_grad and not cr.requires_grad and not rr.requires_grad
     with pytest.raises(ValueError, match="needs reference"):
         preference_loss(pc, torch.tensor([-2.0]), None, None, loss_type="dpo")
@@ -326,7 +447,10 @@ def test_sequence_logps_values_and_gradients_match_naive_float32(dtype, average,
     labels[0, :3] = -100
     labels[1, 5:] = -100
     labels[2, :] = -100  # a row with nothing to count gives 0
-    a, b = logits.clone().to(device).requires_grad_(), logits.clone().requires_grad_()  # the naive one on CPU
+    a, b = (
+        logits.clone().to(device).requires_grad_(),
+        logits.clone().requires_grad_(),
+    )  # the naive one on CPU
     ours, naive = sequence_logps(a, labels.to(device), average), _naive_logps(b, labels, average)
     assert ours.dtype == torch.float32 and ours.device.type == device and ours[2].item() == 0.0
     torch.testing.assert_close(ours.cpu(), naive, rtol=1e-6, atol=1e-6 if device == "cpu" else 1e-5)
@@ -340,15 +464,17 @@ def test_sequence_logps_values_and_gradients_match_naive_float32(dtype, average,
 
 @needs_cuda
 def test_log_probs_repeat_bit_for_bit_on_cuda():
-    # Each row's token log-probs are summed in order, without atomics (index_add_ on CUDA adds in any order):
-    # long rows, where atomics would round differently from call to call.
+    # Each row's token log-probs are summed in order, without atomics (index_add_ on CUDA adds in
+    # any order): long rows, where atomics would round differently from call to call.
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(2, 200_000, 8, device="cuda", generator=g)
     labels = torch.randint(0, 8, (2, 200_000), device="cuda", generator=g)
     first = sequence_logps(logits, labels)
     assert all(torch.equal(sequence_logps(logits, labels), first) for _ in range(20))
     model, tok = tiny(seed=0)
-    batch = collate_pairs(tokenize(demo_pairs("eval")[:16], tok, 512, 256), tok.pad_token_id).to("cuda")
+    batch = collate_pairs(tokenize(demo_pairs("eval")[:16], tok, 512, 256), tok.pad_token_id).to(
+        "cuda"
+    )
     with torch.no_grad():
         assert torch.equal(response_logps(model.cuda(), batch), response_logps(model, batch))
 
@@ -364,16 +490,25 @@ def test_sequence_logps_matches_hugging_face_loss():
         logits = model(input_ids=ids).logits
         ours = sequence_logps(logits, labels, average=True)
         for i in range(3):  # HF's loss is the token mean of the shifted cross-entropy
-            hf = model(input_ids=ids[i:i + 1], labels=labels[i:i + 1]).loss
+            hf = model(input_ids=ids[i : i + 1], labels=labels[i : i + 1]).loss
             assert ours[i].item() == pytest.approx(-hf.item(), rel=1e-5)
         total = sequence_logps(logits, labels).sum() / (labels[:, 1:] != -100).sum()
-        assert total.item() == pytest.approx(-model(input_ids=ids, labels=labels).loss.item(), rel=1e-5)
+        assert total.item() == pytest.approx(
+            -model(input_ids=ids, labels=labels).loss.item(), rel=1e-5
+        )
 
 
 def test_batch_layout_right_pads_rows_and_indexes_exactly_the_response_tokens():
     _, tok = tiny(seed=0)
-    pairs = tokenize([{"prompt": "Rate it:", "chosen": " fine", "rejected": " no"},
-                      {"prompt": "Q", "chosen": " a much longer answer", "rejected": " b"}], tok, 64, 32)
+    pairs = tokenize(
+        [
+            {"prompt": "Rate it:", "chosen": " fine", "rejected": " no"},
+            {"prompt": "Q", "chosen": " a much longer answer", "rejected": " b"},
+        ],
+        tok,
+        64,
+        32,
+    )
     batch = collate_pairs(pairs, pad_id=tok.pad_token_id)
     rows = [(p, p["chosen"]) for p in pairs] + [(p, p["rejected"]) for p in pairs]
     width = max(len(p["prompt"]) + len(r) for p, r in rows)
@@ -381,8 +516,12 @@ def test_batch_layout_right_pads_rows_and_indexes_exactly_the_response_tokens():
     flat_ids = batch.input_ids.flatten()
     for i, (p, resp) in enumerate(rows):
         end = len(p["prompt"]) + len(resp)
-        assert batch.input_ids[i, :end].tolist() == p["prompt"] + resp and resp[-1] == tok.eos_token_id
-        assert batch.attention_mask[i].tolist() == [1] * end + [0] * (width - end)  # padding only after
+        assert (
+            batch.input_ids[i, :end].tolist() == p["prompt"] + resp and resp[-1] == tok.eos_token_id
+        )
+        assert batch.attention_mask[i].tolist() == [1] * end + [0] * (
+            width - end
+        )  # padding only after
         assert batch.labels[i].tolist() == [-100] * len(p["prompt"]) + resp + [-100] * (width - end)
         # The scored positions of row i: each is the one before its target token, in this row.
         start = batch.response_lengths[:i].sum()
@@ -392,36 +531,50 @@ def test_batch_layout_right_pads_rows_and_indexes_exactly_the_response_tokens():
         assert (batch.score_index[mine] // width == i).all()
     assert batch.chosen_scored == sum(len(p["chosen"]) for p in pairs)
     assert batch.response_lengths[:2].sum() == batch.chosen_scored  # chosen rows' tokens come first
-    # sequence_logps on the labels scores the same tokens: perturbing every other position changes nothing.
+    # sequence_logps on the labels scores the same tokens: perturbing every other position changes
+    # nothing.
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, width, len(tok), generator=g)
     base = sequence_logps(logits, batch.labels)
     scored = torch.zeros(4 * width, dtype=torch.bool)
     scored[batch.score_index] = True
-    noisy = torch.where(scored.view(4, width, 1), logits, torch.randn(logits.shape, generator=g) * 50)
+    noisy = torch.where(
+        scored.view(4, width, 1), logits, torch.randn(logits.shape, generator=g) * 50
+    )
     torch.testing.assert_close(sequence_logps(noisy, batch.labels), base, rtol=0, atol=0)
 
 
 @needs_cuda_bf16
 def test_the_fused_head_on_cuda_takes_float32_logits_from_a_bf16_output_layer():
-    """Logits of 16-32 rounded to bf16 move by up to 0.0625: the per-token log-probs must come from float32 logits."""
+    """Logits of 16-32 rounded to bf16 move by up to 0.0625: the per-token log-probs must come from
+    float32 logits."""
     from loss import _TokenLogps
+
     g = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(512, 256, device="cuda", generator=g).bfloat16()  # (N, H) hidden states
-    w = (torch.randn(4096, 256, device="cuda", generator=g) * 1.5).bfloat16()  # (V, H): logits of about +-24
+    w = (
+        torch.randn(4096, 256, device="cuda", generator=g) * 1.5
+    ).bfloat16()  # (V, H): logits of about +-24
     targets = torch.randint(0, 4096, (512,), device="cuda", generator=g)
-    oracle = (h.double() @ w.double().T).log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)  # (N,)
-    rounded = (h @ w.T).double().log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)  # the bf16 logits' error
+    oracle = (
+        (h.double() @ w.double().T).log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+    )  # (N,)
+    rounded = (
+        (h @ w.T).double().log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+    )  # the bf16 logits' error
     error = (_TokenLogps.apply(h, None, targets, w, False).double() - oracle).abs().max().item()
-    print(f"per-token log-prob error: {error:.2e} float32 logits, {(rounded - oracle).abs().max().item():.2e} bf16")
+    bf16_error = (rounded - oracle).abs().max().item()
+    print(f"per-token log-prob error: {error:.2e} float32 logits, {bf16_error:.2e} bf16")
     assert error < 1e-3 < (rounded - oracle).abs().max().item()
 
 
 def test_each_rank_reads_the_rows_fsdp2_gives_it_uneven_and_hsdp_too():
-    """fsdp_setup._local_rows against torch.chunk, which FSDP2 shards dim 0 with (the last ranks may get fewer rows
-    or none), on an FSDP mesh and on HSDP's (replicas, shards) one, whose replicas hold the same rows."""
+    """fsdp_setup._local_rows against torch.chunk, which FSDP2 shards dim 0 with (the last ranks may
+    get fewer rows or none), on an FSDP mesh and on HSDP's (replicas, shards) one, whose replicas
+    hold the same rows."""
     from types import SimpleNamespace
     from torch.distributed.tensor import Replicate, Shard
+
     for rows, shards in ((10, 4), (5, 4), (3, 4), (8, 2), (7, 1)):
         for replica in (None, 0, 1):
             for rank in range(shards):
@@ -431,16 +584,23 @@ def test_each_rank_reads_the_rows_fsdp2_gives_it_uneven_and_hsdp_too():
                 placements = (Shard(0),) if replica is None else (Replicate(), Shard(0))
                 param = SimpleNamespace(placements=placements, device_mesh=mesh, shape=(rows, 3))
                 expected = list(torch.arange(rows).chunk(shards)) + [torch.arange(0)] * shards
-                assert torch.equal(torch.arange(rows)[fsdp_setup._local_rows(param)], expected[rank])
+                assert torch.equal(
+                    torch.arange(rows)[fsdp_setup._local_rows(param)], expected[rank]
+                )
     assert fsdp_setup._local_rows(torch.zeros(4, 2)) == slice(None)  # not sharded: every row
 
 
 def test_weight_files_at_unaligned_offsets_read_right(tmp_path):
-    """Other writers need not align a tensor to its item size; a typed view needs it, so such a tensor is copied."""
-    tensors = {"a": torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16),
-               "b": torch.tensor([7, -9], dtype=torch.int64)}
-    header = {"a": {"dtype": "BF16", "shape": [3], "data_offsets": [0, 6]},
-              "b": {"dtype": "I64", "shape": [2], "data_offsets": [6, 22]}}  # b at byte 6: not a multiple of 8
+    """Other writers need not align a tensor to its item size; a typed view needs it, so such a
+    tensor is copied."""
+    tensors = {
+        "a": torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16),
+        "b": torch.tensor([7, -9], dtype=torch.int64),
+    }
+    header = {
+        "a": {"dtype": "BF16", "shape": [3], "data_offsets": [0, 6]},
+        "b": {"dtype": "I64", "shape": [2], "data_offsets": [6, 22]},
+    }  # b at byte 6: not a multiple of 8
     text = json.dumps(header).encode() + b" " * (-len(json.dumps(header)) % 8)
     data = b"".join(t.view(torch.uint8).numpy().tobytes() for t in tensors.values())
     (tmp_path / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + data)
@@ -449,17 +609,32 @@ def test_weight_files_at_unaligned_offsets_read_right(tmp_path):
 
 
 @pytest.mark.parametrize("head", ["fused", "with_bias"])
-def test_padded_batch_log_probs_equal_unpadded_rows_and_the_head_sees_only_response_tokens(head, monkeypatch):
+def test_padded_batch_log_probs_equal_unpadded_rows_and_the_head_sees_only_response_tokens(
+    head, monkeypatch
+):
     import loss
+
     config, tok = tiny_config()
     policy = tiny_model(config, 2)
     monkeypatch.setattr(loss, "FUSED_HEAD_ON_CPU", True)  # the GPU path, here on the CPU
-    if head == "with_bias":  # a head with extras runs itself on the gathered positions, then the log-softmax
+    if (
+        head == "with_bias"
+    ):  # a head with extras runs itself on the gathered positions, then the log-softmax
         policy.lm_head.bias = torch.nn.Parameter(torch.randn(len(tok)) * 0.1)
     add_scored_head(policy)
-    texts = [{"prompt": "Review the red kettle:", "chosen": " Great. 5/5", "rejected": " The kettle is bad. 1/5"},
-             {"prompt": "Hi", "chosen": " A much longer and more detailed answer here.", "rejected": " No."},
-             {"prompt": "Rate the lamp please:", "chosen": "!", "rejected": " meh"}]
+    texts = [
+        {
+            "prompt": "Review the red kettle:",
+            "chosen": " Great. 5/5",
+            "rejected": " The kettle is bad. 1/5",
+        },
+        {
+            "prompt": "Hi",
+            "chosen": " A much longer and more detailed answer here.",
+            "rejected": " No.",
+        },
+        {"prompt": "Rate the lamp please:", "chosen": "!", "rejected": " meh"},
+    ]
     pairs = tokenize(texts, tok, 128, 64)
     batch = collate_pairs(pairs, tok.pad_token_id)
     seen, token_logps, linear = [], loss._TokenLogps.apply, torch.nn.Linear.forward
@@ -472,6 +647,7 @@ def test_padded_batch_log_probs_equal_unpadded_rows_and_the_head_sees_only_respo
     def record_logps(x, index, targets, weight, squares):
         seen.append(("fused" if weight is not None else "log-softmax", tuple(x.shape)))
         return token_logps(x, index, targets, weight, squares)
+
     monkeypatch.setattr(torch.nn.Linear, "forward", record_linear)
     monkeypatch.setattr(loss._TokenLogps, "apply", staticmethod(record_logps))
     out = forward_pairs(policy, None, batch, train_dpo.LossConfig(loss="simpo"))
@@ -486,10 +662,15 @@ def test_padded_batch_log_probs_equal_unpadded_rows_and_the_head_sees_only_respo
         for key in ("chosen", "rejected"):
             ids = torch.tensor([p["prompt"] + p[key]])
             labels = torch.tensor([[-100] * len(p["prompt"]) + p[key]])
-            alone = _naive_logps(policy(input_ids=ids).logits, labels, average=True)  # no padding at all
-            torch.testing.assert_close(out[f"{key}_logps"][i], alone[0].detach(), rtol=1e-5, atol=1e-5)
+            alone = _naive_logps(
+                policy(input_ids=ids).logits, labels, average=True
+            )  # no padding at all
+            torch.testing.assert_close(
+                out[f"{key}_logps"][i], alone[0].detach(), rtol=1e-5, atol=1e-5
+            )
             naive.append(alone[0] * len(p[key]))
-    # The gradients of the summed log-probs, for every weight, against the naive float32 log_softmax's.
+    # The gradients of the summed log-probs, for every weight, against the naive float32
+    # log_softmax's.
     params = list(policy.parameters())
     ours = torch.autograd.grad(response_logps(policy, batch).sum(), params)
     for g, n in zip(ours, torch.autograd.grad(sum(naive), params)):
@@ -498,6 +679,7 @@ def test_padded_batch_log_probs_equal_unpadded_rows_and_the_head_sees_only_respo
 
 def test_chunked_logps_match_naive_across_chunk_boundaries_and_save_no_float_copy(monkeypatch):
     import loss
+
     monkeypatch.setattr(loss, "_chunk_rows", lambda vocab, device, matmul=False: 3)
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 9, 50, generator=g).to(torch.bfloat16)
@@ -518,15 +700,21 @@ def test_chunked_logps_match_naive_across_chunk_boundaries_and_save_no_float_cop
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_head_log_probs_match_float32_oracle_across_chunks_and_keep_no_logits(dtype, monkeypatch):
+def test_fused_head_log_probs_match_float32_oracle_across_chunks_and_keep_no_logits(
+    dtype, monkeypatch
+):
     import loss
+
     # 10 rows in chunks of 3: 4 chunks, the last partial
     monkeypatch.setattr(loss, "_chunk_rows", lambda vocab, device, matmul=False: 3)
     g = torch.Generator().manual_seed(2)
     hidden, weight = torch.randn(10, 16, generator=g), torch.randn(50, 16, generator=g) * 0.3
     targets = torch.randint(0, 50, (10,), generator=g)
     h, w = hidden.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_()
-    h32, w32 = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()  # the same values
+    h32, w32 = (
+        h.detach().float().requires_grad_(),
+        w.detach().float().requires_grad_(),
+    )  # the same values
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         ours = loss._TokenLogps.apply(h, None, targets, w, False)
@@ -541,34 +729,49 @@ def test_fused_head_log_probs_match_float32_oracle_across_chunks_and_keep_no_log
     torch.testing.assert_close(h.grad.float(), h32.grad, **tol)
     torch.testing.assert_close(w.grad.float(), w32.grad, **tol)
     # Forward keeps its inputs and the (N,) log-sum-exp: no (N, V) logits.
-    assert sum(t.numel() for t in saved if t.data_ptr() not in (h.data_ptr(), w.data_ptr())) == 2 * 10
+    assert (
+        sum(t.numel() for t in saved if t.data_ptr() not in (h.data_ptr(), w.data_ptr())) == 2 * 10
+    )
 
 
-@pytest.mark.parametrize("loss, online, lora_rank", [("dpo", True, 0), ("dpo", False, 0), ("sft", False, 0),
-                                                     ("dpo", True, 4)])
+@pytest.mark.parametrize(
+    "loss, online, lora_rank",
+    [("dpo", True, 0), ("dpo", False, 0), ("sft", False, 0), ("dpo", True, 4)],
+)
 def test_logged_flops_match_pytorch_flop_counter(loss, online, lora_rank):
     from torch.utils.flop_counter import FlopCounterMode
+
     config, tok = tiny_config()
-    config._attn_implementation = "eager"  # attention as matmuls, which the counter sees (CPU SDPA it does not)
+    config._attn_implementation = (
+        "eager"  # attention as matmuls, which the counter sees (CPU SDPA it does not)
+    )
     objective = train_dpo.LossConfig(loss=loss)
     cfg = train_dpo.Config(objective=objective, lora=LoraConfig(lora_rank=lora_rank))
     policy = train_dpo.prepare_model(cfg, tiny_model(config, 0))
-    # LoRA: the reference is the policy with its adapters off, and the backward makes no base weight gradient
+    # LoRA: the reference is the policy with its adapters off, and the backward makes no base weight
+    # gradient
     reference = None
     if online and lora_rank:
         reference = WithoutAdapters(policy)
     elif online:
         reference = copy.deepcopy(policy).eval().requires_grad_(False)
     batch = collate_pairs(tokenize(demo_pairs("train")[:4], tok, 128, 64), tok.pad_token_id)
-    ref_logps = None if online or loss == "sft" else torch.zeros(len(batch.input_ids))  # --ref precompute
+    ref_logps = (
+        None if online or loss == "sft" else torch.zeros(len(batch.input_ids))
+    )  # --ref precompute
     with FlopCounterMode(display=False) as counter:
         out = forward_pairs(policy, reference, batch, objective, ref_logps, tokens_per_pair=10.0)
         out["losses"].sum().backward()
-    counts = metrics.batch_counts(metrics.flop_coefficients(policy), loss != "sft", 2 if lora_rank else 3,
-                                  reference is not None, batch)
+    counts = metrics.batch_counts(
+        metrics.flop_coefficients(policy),
+        loss != "sft",
+        2 if lora_rank else 3,
+        reference is not None,
+        batch,
+    )
     ours = counts[2].item()
-    # Equal on the CPU path; on a GPU the counter would also see the fused head recompute its logits in
-    # backward, which model FLOPs leave out.
+    # Equal on the CPU path; on a GPU the counter would also see the fused head recompute its logits
+    # in backward, which model FLOPs leave out.
     assert ours == pytest.approx(counter.get_total_flops(), rel=0.1)
     assert ours <= counter.get_total_flops()
 
@@ -577,72 +780,153 @@ def test_step0_loss_is_ln2_and_rewards_zero():
     policy, tok = tiny(seed=3)
     reference = copy.deepcopy(policy).eval()
     pairs = tokenize(demo_pairs("train")[:6], tok, 128, 64)
-    out = forward_pairs(policy, reference, collate_pairs(pairs, tok.pad_token_id),
-                                  train_dpo.LossConfig())
+    out = forward_pairs(
+        policy, reference, collate_pairs(pairs, tok.pad_token_id), train_dpo.LossConfig()
+    )
     torch.testing.assert_close(out["losses"], torch.full((6,), math.log(2)))
     assert out["chosen_rewards"].eq(0).all() and out["rejected_rewards"].eq(0).all()
 
 
-# ---------------------------------------------------------------------------------------------- data.py
+# ------------------------------------------------------------------------------------------ data.py
 def _bos_tokenizer():
     """A character-level fast tokenizer that, like Llama's, puts BOS before text."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate("abcdefghijklmnopqrstuvwxyz ")}}
+
+    vocab = {
+        "<pad>": 0,
+        "<s>": 1,
+        "</s>": 2,
+        **{c: i + 3 for i, c in enumerate("abcdefghijklmnopqrstuvwxyz ")},
+    }
     raw = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     raw.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
 
 
 def test_truncation_keeps_prompt_end_then_cuts_responses():
     _, tok = tiny(seed=0)
+
     def ids(s):
         return [b + 3 for b in s.encode()]  # ByT5: one token per byte, offset by 3 specials
+
     eos = tok.eos_token_id
-    fits, long_prompt, long_both = tokenize([
-        {"prompt": "abcd", "chosen": "xyz", "rejected": "q"},            # 4 + 4 <= 12: untouched
-        {"prompt": "0123456789", "chosen": "xy", "rejected": "q"},        # 10 + 3 > 12: prompt keeps last 5
-        {"prompt": "0123456789", "chosen": "abcdefgh", "rejected": "q"},  # 5 + 9 > 12: responses cut to 7
-    ], tok, max_length=12, max_prompt_length=5)
-    assert fits == {"prompt": ids("abcd"), "chosen": ids("xyz") + [eos], "rejected": ids("q") + [eos]}
-    assert long_prompt == {"prompt": ids("56789"), "chosen": ids("xy") + [eos], "rejected": ids("q") + [eos]}
-    assert long_both == {"prompt": ids("56789"), "chosen": ids("abcdefg"), "rejected": ids("q") + [eos]}
-    # A tokenizer that adds BOS keeps it through truncation, and it counts towards max_prompt_length.
-    (bos_pair,) = tokenize([{"prompt": "abcdefgh", "chosen": "xyz", "rejected": "x"}], _bos_tokenizer(),
-                                 max_length=8, max_prompt_length=4)
+    fits, long_prompt, long_both = tokenize(
+        [
+            {"prompt": "abcd", "chosen": "xyz", "rejected": "q"},  # 4 + 4 <= 12: untouched
+            {
+                "prompt": "0123456789",
+                "chosen": "xy",
+                "rejected": "q",
+            },  # 10 + 3 > 12: prompt keeps last 5
+            {
+                "prompt": "0123456789",
+                "chosen": "abcdefgh",
+                "rejected": "q",
+            },  # 5 + 9 > 12: responses cut to 7
+        ],
+        tok,
+        max_length=12,
+        max_prompt_length=5,
+    )
+    assert fits == {
+        "prompt": ids("abcd"),
+        "chosen": ids("xyz") + [eos],
+        "rejected": ids("q") + [eos],
+    }
+    assert long_prompt == {
+        "prompt": ids("56789"),
+        "chosen": ids("xy") + [eos],
+        "rejected": ids("q") + [eos],
+    }
+    assert long_both == {
+        "prompt": ids("56789"),
+        "chosen": ids("abcdefg"),
+        "rejected": ids("q") + [eos],
+    }
+    # A tokenizer that adds BOS keeps it through truncation, and it counts towards
+    # max_prompt_length.
+    (bos_pair,) = tokenize(
+        [{"prompt": "abcdefgh", "chosen": "xyz", "rejected": "x"}],
+        _bos_tokenizer(),
+        max_length=8,
+        max_prompt_length=4,
+    )
+
     def letters(s):
         return [ord(c) - ord("a") + 3 for c in s]
-    assert bos_pair == {"prompt": [1] + letters("fgh"), "chosen": letters("xyz") + [2], "rejected": letters("x") + [2]}
+
+    assert bos_pair == {
+        "prompt": [1] + letters("fgh"),
+        "chosen": letters("xyz") + [2],
+        "rejected": letters("x") + [2],
+    }
 
 
 def test_max_prompt_length_follows_max_length_unless_given(tmp_path, capsys):
     assert DataConfig().prompt_limit == 256 and DataConfig(max_length=40).prompt_limit == 20
     assert DataConfig(max_length=40, max_prompt_length=30).prompt_limit == 30
-    path = _write_jsonl(tmp_path / "p.jsonl", demo_pairs("train")[:16])  # prompts of 20-28 bytes, responses ~50
-    data.inspect([path, "--model", "tiny", "--max-length", "40", "--show", "16"])  # no --max-prompt-length
+    path = _write_jsonl(
+        tmp_path / "p.jsonl", demo_pairs("train")[:16]
+    )  # prompts of 20-28 bytes, responses ~50
+    data.inspect(
+        [path, "--model", "tiny", "--max-length", "40", "--show", "16"]
+    )  # no --max-prompt-length
     *shown, summary = capsys.readouterr().out.splitlines()
     _, tok = tiny(seed=0)
-    prompts = [len(tok(json.loads(line)["prompt"], add_special_tokens=False)["input_ids"]) for line in shown]
+    prompts = [
+        len(tok(json.loads(line)["prompt"], add_special_tokens=False)["input_ids"])
+        for line in shown
+    ]
     assert max(prompts) == 20 and json.loads(summary)["truncated_prompts"] > 0
-    out = run(tmp_path, "short", "--data", path, "--batch-size", "8", "--max-length", "40", "--max-steps", "1")
+    out = run(
+        tmp_path,
+        "short",
+        "--data",
+        path,
+        "--batch-size",
+        "8",
+        "--max-length",
+        "40",
+        "--max-steps",
+        "1",
+    )
     assert len(read_metrics(out)) == 1
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:  # an explicit bad pair: one line, no traceback
-        train_dpo.main(["--max-length", "40", "--max-prompt-length", "40", "--out-dir", str(tmp_path / "x"), *ON_CPU])
+        train_dpo.main(
+            [
+                "--max-length",
+                "40",
+                "--max-prompt-length",
+                "40",
+                "--out-dir",
+                str(tmp_path / "x"),
+                *ON_CPU,
+            ]
+        )
     err = capsys.readouterr().err.strip()
-    assert exit_info.value.code == 2 and err == ("error: need 0 < --max-prompt-length (40) < --max-length (40), so "
-                                                 "every response keeps at least one token")
+    assert exit_info.value.code == 2 and err == (
+        "error: need 0 < --max-prompt-length (40) < --max-length (40), so every response keeps at "
+        "least one token"
+    )
 
 
 def test_json_lines_and_json_array_load_the_same_pairs(tmp_path):
-    rows = [{"prompt": "p1", "chosen": "c1", "rejected": "r1", "extra": 1},
-            {"prompt": "p2", "chosen": "c2", "rejected": "r2"}]
+    rows = [
+        {"prompt": "p1", "chosen": "c1", "rejected": "r1", "extra": 1},
+        {"prompt": "p2", "chosen": "c2", "rejected": "r2"},
+    ]
     (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     (tmp_path / "b.json").write_text(json.dumps(rows, indent=2))
     expected = [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows]
+
     def strip(rows):
         return [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows]
+
     a, b = read_rows(str(tmp_path / "a.jsonl")), read_rows(str(tmp_path / "b.json"))
     assert strip(a) == expected == strip(b)
     assert [r["where"] for r in a] == [f"{tmp_path / 'a.jsonl'}:1", f"{tmp_path / 'a.jsonl'}:2"]
@@ -651,10 +935,14 @@ def test_json_lines_and_json_array_load_the_same_pairs(tmp_path):
 
 def test_demo_is_deterministic_with_disjoint_held_out_items():
     train, held_out = demo_pairs("train"), demo_pairs("eval")
-    assert all(score_completion(p["chosen"]) == 1 and score_completion(p["rejected"]) == -1 for p in train)
+    assert all(
+        score_completion(p["chosen"]) == 1 and score_completion(p["rejected"]) == -1 for p in train
+    )
     assert train == demo_pairs("train") and len(train) >= 1024 and len(held_out) >= 128
+
     def item(p):
         return p["prompt"].split()[-1]
+
     assert not {item(p) for p in train} & {item(p) for p in held_out}
     assert all("5/5" in p["chosen"] and "1/5" in p["rejected"] for p in train + held_out)
 
@@ -663,7 +951,10 @@ def test_demo_is_deterministic_with_disjoint_held_out_items():
 def test_build_batches_disjoint_across_ranks_and_deterministic(grouped):
     lengths = None
     if grouped:
-        lengths = [(random.Random(i).randint(5, 300), random.Random(-i).randint(5, 300)) for i in range(1000)]
+        lengths = [
+            (random.Random(i).randint(5, 300), random.Random(-i).randint(5, 300))
+            for i in range(1000)
+        ]
     one = build_batches(1000, 8, seed=5, epoch=0, lengths=lengths)
     assert len(one) == 125 and all(len(b) == 8 for b in one)
     for batch in one:
@@ -672,7 +963,9 @@ def test_build_batches_disjoint_across_ranks_and_deterministic(grouped):
     assert len({i for b in one for i in b}) == 1000
     again = build_batches(1000, 8, seed=5, epoch=0, lengths=lengths)
     assert one == again != build_batches(1000, 8, seed=5, epoch=1, lengths=lengths)
-    assert len(build_batches(100, 8, seed=5, epoch=0, lengths=lengths)) == 12  # a partial batch is dropped
+    assert (
+        len(build_batches(100, 8, seed=5, epoch=0, lengths=lengths)) == 12
+    )  # a partial batch is dropped
     with pytest.raises(ValueError, match="not divisible by 3 ranks"):
         rank_share(one[0], 0, 3)
 
@@ -682,14 +975,20 @@ def test_eval_batches_cover_every_pair_once_in_equal_numbers_of_batches(n, micro
     lengths = [random.Random(i).randint(1, 500) for i in range(n)]
     for by_length in (None, lengths):
         batches = [build_eval_batches(n, micro, rank, world, by_length) for rank in range(world)]
-        assert len({len(b) for b in batches}) == 1 and all(len(i) <= micro for b in batches for i in b)
+        assert len({len(b) for b in batches}) == 1 and all(
+            len(i) <= micro for b in batches for i in b
+        )
         assert sorted(i for b in batches for idx in b for i in idx) == list(range(n))
     # Sorted: each rank's batches run from short to long pairs.
-    assert all([lengths[i] for idx in b for i in idx] == sorted(lengths[i] for idx in b for i in idx) for b in batches)
+    assert all(
+        [lengths[i] for idx in b for i in idx] == sorted(lengths[i] for idx in b for i in idx)
+        for b in batches
+    )
 
 
 def test_length_grouping_gives_at_least_90_percent_real_tokens_on_mixed_lengths():
-    # Prompts of 10-400 tokens, responses of 20-400, a pair's two responses within 25% of each other.
+    # Prompts of 10-400 tokens, responses of 20-400, a pair's two responses within 25% of each
+    # other.
     rng, pairs = random.Random(0), []
     for _ in range(1024):
         prompt, chosen = rng.randint(10, 400), rng.randint(20, 400)
@@ -702,6 +1001,7 @@ def test_length_grouping_gives_at_least_90_percent_real_tokens_on_mixed_lengths(
             mask = collate_pairs([pairs[i] for i in batch], pad_id=0).attention_mask
             real, total = real + mask.sum().item(), total + mask.numel()
         return real / total
+
     grouped, shuffled = efficiency(pair_lengths(as_tokens(pairs).lengths)), efficiency(None)
     assert grouped >= 0.9 and shuffled < 0.6, (grouped, shuffled)
 
@@ -710,6 +1010,7 @@ def _bpe_tokenizer():
     """A fast BPE tokenizer over a, b, c, x, space with one merge: "ab" is a single token."""
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
+
     vocab = {"<pad>": 0, "</s>": 1, "a": 2, "b": 3, "c": 4, "x": 5, " ": 6, "ab": 7}
     raw = Tokenizer(models.BPE(vocab, merges=[("a", "b")]))
     return PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", pad_token="<pad>")
@@ -722,94 +1023,175 @@ def _tokens_of(path, tok, **config):
 
 def test_each_format_gives_the_tokens_generation_sees(tmp_path):
     _, tok = tiny(seed=0)
+
     def ids(s):
         return tok(s, add_special_tokens=False)["input_ids"]
+
     eos, user = tok.eos_token_id, [{"role": "user", "content": "Rate the mug"}]
-    good, bad = [{"role": "assistant", "content": "Great. 5/5"}], [{"role": "assistant", "content": "Bad. 1/5"}]
+    good, bad = (
+        [{"role": "assistant", "content": "Great. 5/5"}],
+        [{"role": "assistant", "content": "Bad. 1/5"}],
+    )
     chat_prompt = tok.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
     assert chat_prompt == "<|user|>\nRate the mug\n<|assistant|>\n"
-    expected = {"prompt": ids(chat_prompt), "chosen": ids("Great. 5/5") + [eos], "rejected": ids("Bad. 1/5") + [eos]}
-    # Conversational, explicit or implicit (the prompt is the shared messages): the prompt ids are exactly the
-    # rendered generation prompt; each response keeps the template's own end-of-turn EOS, once.
-    explicit = _write_jsonl(tmp_path / "conv.jsonl", [{"prompt": user, "chosen": good, "rejected": bad}])
-    implicit = _write_jsonl(tmp_path / "conv_implicit.jsonl", [{"chosen": user + good, "rejected": user + bad}])
+    expected = {
+        "prompt": ids(chat_prompt),
+        "chosen": ids("Great. 5/5") + [eos],
+        "rejected": ids("Bad. 1/5") + [eos],
+    }
+    # Conversational, explicit or implicit (the prompt is the shared messages): the prompt ids are
+    # exactly the rendered generation prompt; each response keeps the template's own end-of-turn
+    # EOS, once.
+    explicit = _write_jsonl(
+        tmp_path / "conv.jsonl", [{"prompt": user, "chosen": good, "rejected": bad}]
+    )
+    implicit = _write_jsonl(
+        tmp_path / "conv_implicit.jsonl", [{"chosen": user + good, "rejected": user + bad}]
+    )
     assert _tokens_of(explicit, tok)[0] == [expected] == _tokens_of(implicit, tok)[0]
     # Standard strings, and implicit strings: Anthropic HH's prompt runs through the last shared
-    # "\n\nAssistant:" even when the answers then share a word; a response already ending in EOS gets no second.
+    # "\n\nAssistant:" even when the answers then share a word; a response already ending in EOS
+    # gets no second.
     hh = "\n\nHuman: Rate the mug\n\nAssistant:"
-    rows = [{"prompt": "Rate:", "chosen": " Great</s>", "rejected": " Bad"},
-            {"chosen": hh + " Sure, great", "rejected": hh + " Sure, bad"},
-            {"chosen": "Rate: Great", "rejected": "Rate: Bad"}]
+    rows = [
+        {"prompt": "Rate:", "chosen": " Great</s>", "rejected": " Bad"},
+        {"chosen": hh + " Sure, great", "rejected": hh + " Sure, bad"},
+        {"chosen": "Rate: Great", "rejected": "Rate: Bad"},
+    ]
     standard = _write_jsonl(tmp_path / "std.jsonl", rows[:1])
     implicit = _write_jsonl(tmp_path / "std_implicit.jsonl", rows[1:])
-    assert _tokens_of(standard, tok)[0] == [{"prompt": ids("Rate:"), "chosen": ids(" Great") + [eos],
-                                              "rejected": ids(" Bad") + [eos]}]
+    assert _tokens_of(standard, tok)[0] == [
+        {"prompt": ids("Rate:"), "chosen": ids(" Great") + [eos], "rejected": ids(" Bad") + [eos]}
+    ]
     assert _tokens_of(implicit, tok)[0] == [
-        {"prompt": ids(hh), "chosen": ids(" Sure, great") + [eos], "rejected": ids(" Sure, bad") + [eos]},
-        {"prompt": ids("Rate: "), "chosen": ids("Great") + [eos], "rejected": ids("Bad") + [eos]}]
+        {
+            "prompt": ids(hh),
+            "chosen": ids(" Sure, great") + [eos],
+            "rejected": ids(" Sure, bad") + [eos],
+        },
+        {"prompt": ids("Rate: "), "chosen": ids("Great") + [eos], "rejected": ids("Bad") + [eos]},
+    ]
     # A tokenizer without a chat template cannot take message lists.
     tok.chat_template = None
     with pytest.raises(DataError, match=r"conv.jsonl:1: message lists need a chat template"):
         _tokens_of(explicit, tok)
 
 
-def test_implicit_prefix_backs_off_to_a_token_boundary_and_boundary_merges_keep_prompt_ids(tmp_path):
+def test_implicit_prefix_backs_off_to_a_token_boundary_and_boundary_merges_keep_prompt_ids(
+    tmp_path,
+):
     tok = _bpe_tokenizer()
     # "xab" and "xac" share "xa", but "ab" is one token: the prompt backs off to "x".
-    (pair,), _ = _tokens_of(_write_jsonl(tmp_path / "a.jsonl", [{"chosen": "xab", "rejected": "xac"}]), tok)
+    (pair,), _ = _tokens_of(
+        _write_jsonl(tmp_path / "a.jsonl", [{"chosen": "xab", "rejected": "xac"}]), tok
+    )
     assert pair == {"prompt": [5], "chosen": [7, 1], "rejected": [2, 4, 1]}
-    # An explicit prompt ending in "a" before a response starting with "b": jointly "ab" would swallow the
-    # boundary. The prompt keeps its own ids (what generation starts from); that response is tokenized alone.
+    # An explicit prompt ending in "a" before a response starting with "b": jointly "ab" would
+    # swallow the boundary. The prompt keeps its own ids (what generation starts from); that
+    # response is tokenized alone.
     path = _write_jsonl(tmp_path / "b.jsonl", [{"prompt": "xa", "chosen": "bc", "rejected": "c"}])
     (pair,), summary = _tokens_of(path, tok)
-    assert pair == {"prompt": [5, 2], "chosen": [3, 4, 1], "rejected": [4, 1]} and summary["retokenized"] == 1
+    assert (
+        pair == {"prompt": [5, 2], "chosen": [3, 4, 1], "rejected": [4, 1]}
+        and summary["retokenized"] == 1
+    )
 
 
 def test_truncation_modes_and_dropped_pairs_are_counted(tmp_path):
     _, tok = tiny(seed=0)
+
     def ids(s):
         return tok(s, add_special_tokens=False)["input_ids"]
+
     eos = tok.eos_token_id
-    rows = [{"prompt": "0123456789", "chosen": "ab", "rejected": "c"},       # prompt cut to 5, responses fit
-            {"prompt": "0123456789", "chosen": "abcdefgh", "rejected": "c"},  # prompt cut, then responses to 7
-            {"prompt": "p", "chosen": "", "rejected": "x"},                   # empty response: dropped
-            {"prompt": "p", "chosen": "same", "rejected": "same"},            # identical: dropped
-            {"prompt": "abc", "chosen": "x", "rejected": "y"}]                # untouched
+    rows = [
+        {"prompt": "0123456789", "chosen": "ab", "rejected": "c"},  # prompt cut to 5, responses fit
+        {
+            "prompt": "0123456789",
+            "chosen": "abcdefgh",
+            "rejected": "c",
+        },  # prompt cut, then responses to 7
+        {"prompt": "p", "chosen": "", "rejected": "x"},  # empty response: dropped
+        {"prompt": "p", "chosen": "same", "rejected": "same"},  # identical: dropped
+        {"prompt": "abc", "chosen": "x", "rejected": "y"},
+    ]  # untouched
     path = _write_jsonl(tmp_path / "t.jsonl", rows)
     end, summary = _tokens_of(path, tok, max_length=12, max_prompt_length=5)
     start, _ = _tokens_of(path, tok, max_length=12, max_prompt_length=5, truncation="keep_start")
     assert [p["prompt"] for p in end] == [ids("56789"), ids("56789"), ids("abc")]
     assert [p["prompt"] for p in start] == [ids("01234"), ids("01234"), ids("abc")]
-    assert end[1]["chosen"] == ids("abcdefg") and end[1]["rejected"] == ids("c") + [eos]  # cut: no EOS
+    assert end[1]["chosen"] == ids("abcdefg") and end[1]["rejected"] == ids("c") + [
+        eos
+    ]  # cut: no EOS
     assert end[0]["chosen"] == ids("ab") + [eos]
-    assert {k: summary[k] for k in ("pairs", "dropped", "dropped_empty", "dropped_identical", "truncated",
-                                    "truncated_prompts", "truncated_responses")} == \
-        {"pairs": 3, "dropped": 2, "dropped_empty": 1, "dropped_identical": 1, "truncated": 2,
-         "truncated_prompts": 2, "truncated_responses": 1}
+    assert {
+        k: summary[k]
+        for k in (
+            "pairs",
+            "dropped",
+            "dropped_empty",
+            "dropped_identical",
+            "truncated",
+            "truncated_prompts",
+            "truncated_responses",
+        )
+    } == {
+        "pairs": 3,
+        "dropped": 2,
+        "dropped_empty": 1,
+        "dropped_identical": 1,
+        "truncated": 2,
+        "truncated_prompts": 2,
+        "truncated_responses": 1,
+    }
     # Percentiles of the lengths before truncation: prompts of 10, 10 and 3 tokens.
-    assert summary["tokens_before_truncation"]["prompt"] == {"p50": 10, "p90": 10, "p99": 10, "p100": 10}
+    assert summary["tokens_before_truncation"]["prompt"] == {
+        "p50": 10,
+        "p90": 10,
+        "p99": 10,
+        "p100": 10,
+    }
 
 
 def test_pairs_identical_once_truncated_are_dropped_and_counted(tmp_path):
     _, tok = tiny(seed=0)  # one token per byte
-    rows = [{"prompt": "Q:", "chosen": " same words then good", "rejected": " same words then bad"},
-            {"prompt": "Q:", "chosen": " yes", "rejected": " no"}]
+    rows = [
+        {"prompt": "Q:", "chosen": " same words then good", "rejected": " same words then bad"},
+        {"prompt": "Q:", "chosen": " yes", "rejected": " no"},
+    ]
     # 14 tokens leave 12 for the responses: " same words t" in both, which then teach nothing.
-    tokens, summary = _tokens_of(_write_jsonl(tmp_path / "p.jsonl", rows), tok, max_length=14, max_prompt_length=4)
+    tokens, summary = _tokens_of(
+        _write_jsonl(tmp_path / "p.jsonl", rows), tok, max_length=14, max_prompt_length=4
+    )
     assert [tok.decode(p["chosen"]) for p in tokens] == [" yes</s>"]
-    assert (summary["dropped_identical"], summary["identical_after_truncation"], summary["truncated"]) == (1, 1, 0)
+    assert (
+        summary["dropped_identical"],
+        summary["identical_after_truncation"],
+        summary["truncated"],
+    ) == (1, 1, 0)
 
 
 ROW_ERRORS = {
-    "mixed.jsonl": ('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"chosen": "ab", "rejected": "ac"}\n',
-                    ":2: this row is implicit-prompt standard, but the first row (",
-                    "mixed formats in one file are refused"),
-    "mixedfields.jsonl": ('{"prompt": "a", "chosen": [{"role": "assistant", "content": "b"}], "rejected": "c"}\n',
-                          ":1: fields mix strings and message lists", ""),
-    "badmessage.json": ('[\n{"prompt": [{"role": "user"}], "chosen": [], "rejected": []}]',
-                        ":2: field 'prompt' message 0: expected", ""),
-    "noprefix.jsonl": ('{"chosen": "abc", "rejected": "xyz"}\n', ":1: fields 'chosen' and 'rejected' share no prefix",
-                       ""),
+    "mixed.jsonl": (
+        '{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"chosen": "ab", "rejected": "ac"}\n',
+        ":2: this row is implicit-prompt standard, but the first row (",
+        "mixed formats in one file are refused",
+    ),
+    "mixedfields.jsonl": (
+        '{"prompt": "a", "chosen": [{"role": "assistant", "content": "b"}], "rejected": "c"}\n',
+        ":1: fields mix strings and message lists",
+        "",
+    ),
+    "badmessage.json": (
+        '[\n{"prompt": [{"role": "user"}], "chosen": [], "rejected": []}]',
+        ":2: field 'prompt' message 0: expected",
+        "",
+    ),
+    "noprefix.jsonl": (
+        '{"chosen": "abc", "rejected": "xyz"}\n',
+        ":1: fields 'chosen' and 'rejected' share no prefix",
+        "",
+    ),
 }
 
 
@@ -820,48 +1202,75 @@ def test_malformed_rows_name_file_line_and_field(tmp_path, name):
     _, tok = tiny(seed=0)
     with pytest.raises(DataError) as info:
         _tokens_of(tmp_path / name, tok)
-    assert str(info.value).startswith(f"{tmp_path / name}{message}") and more in str(info.value), str(info.value)
+    assert str(info.value).startswith(f"{tmp_path / name}{message}") and more in str(info.value), (
+        str(info.value)
+    )
 
 
 def test_inspector_prints_the_trained_tokens_decoded_and_a_summary(tmp_path, capsys):
-    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "chosen": [{"role": "assistant", "content": "yes" * i}],
-             "rejected": [{"role": "assistant", "content": "no"}]} for i in range(1, 5)]
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"q{i}"}],
+            "chosen": [{"role": "assistant", "content": "yes" * i}],
+            "rejected": [{"role": "assistant", "content": "no"}],
+        }
+        for i in range(1, 5)
+    ]
     path = _write_jsonl(tmp_path / "conv.jsonl", rows)
-    data.inspect([path, "--model", "tiny", "--show", "2", "--max-length", "34", "--max-prompt-length", "24"])
+    data.inspect(
+        [path, "--model", "tiny", "--show", "2", "--max-length", "34", "--max-prompt-length", "24"]
+    )
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(lines) == 3
-    assert lines[0] == {"prompt": "<|user|>\nq1\n<|assistant|>\n", "chosen": "yes</s>", "rejected": "no</s>"}
+    assert lines[0] == {
+        "prompt": "<|user|>\nq1\n<|assistant|>\n",
+        "chosen": "yes</s>",
+        "rejected": "no</s>",
+    }
     assert lines[1]["chosen"] == "yesyes</s>"
     summary = lines[2]
-    # Prompts are 26 bytes. Pairs 3 and 4 exceed 34: the prompt keeps its last 24 bytes, then "yes" x 3 + EOS
-    # fits in the 10 left; "yes" x 4 + EOS (13) does not, and is cut.
+    # Prompts are 26 bytes. Pairs 3 and 4 exceed 34: the prompt keeps its last 24 bytes, then "yes"
+    # x 3 + EOS fits in the 10 left; "yes" x 4 + EOS (13) does not, and is cut.
     assert summary["pairs"] == 4 and summary["dropped"] == 0 and summary["truncated"] == 2
     assert summary["truncated_prompts"] == 2 and summary["truncated_responses"] == 1
     assert summary["tokens_before_truncation"]["response"]["p100"] == 13
     with pytest.raises(SystemExit) as exit_info:  # a bad file
         data.inspect([str(tmp_path / "nope.jsonl"), "--model", "tiny"])
-    assert exit_info.value.code == 2 and capsys.readouterr().err.strip() == f"error: {tmp_path / 'nope.jsonl'}: no " \
+    assert (
+        exit_info.value.code == 2
+        and capsys.readouterr().err.strip()
+        == f"error: {tmp_path / 'nope.jsonl'}: no "
         "such file (give a .jsonl/.json path, hub:NAME[:split] or demo)"
+    )
 
 
 def test_hub_path_reads_a_saved_dataset_like_the_file(tmp_path, monkeypatch):
     datasets = pytest.importorskip("datasets")
     rows = demo_pairs("eval")[:5]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
-    datasets.DatasetDict({"test": datasets.Dataset.from_list(rows[:2])}).save_to_disk(str(tmp_path / "dd"))
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(rows[:2])}).save_to_disk(
+        str(tmp_path / "dd")
+    )
+
     def strip(rows):
         return [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows]
+
     hub = read_rows(f"hub:{tmp_path / 'ds'}")
     assert strip(hub) == rows and hub[4]["where"] == f"hub:{tmp_path / 'ds'} row 5"
     assert strip(read_rows(f"hub:{tmp_path / 'dd'}:test")) == rows[:2]
-    # Through prepare_data: cached under the dataset's fingerprint, a new key when the saved data changes.
+    # Through prepare_data: cached under the dataset's fingerprint, a new key when the saved data
+    # changes.
     _, tok = tiny(seed=0)
-    first, _, _ = prepare_data(DataConfig(data=(f"hub:{tmp_path / 'ds'}",)), tok, str(tmp_path / "cache"))
+    first, _, _ = prepare_data(
+        DataConfig(data=(f"hub:{tmp_path / 'ds'}",)), tok, str(tmp_path / "cache")
+    )
     assert [first[i] for i in range(5)] == tokenize(rows, tok, 512, 256)
     datasets.Dataset.from_list(rows[:3]).save_to_disk(str(tmp_path / "ds2"))
     shutil.rmtree(tmp_path / "ds")
     (tmp_path / "ds2").rename(tmp_path / "ds")
-    again, _, _ = prepare_data(DataConfig(data=(f"hub:{tmp_path / 'ds'}",)), tok, str(tmp_path / "cache"))
+    again, _, _ = prepare_data(
+        DataConfig(data=(f"hub:{tmp_path / 'ds'}",)), tok, str(tmp_path / "cache")
+    )
     assert len(again) == 3 and len(os.listdir(tmp_path / "cache")) == 2
     with pytest.raises(DataError, match=r"hub:.*dd:nosplit: cannot load \(KeyError"):
         read_rows(f"hub:{tmp_path / 'dd'}:nosplit")
@@ -873,15 +1282,27 @@ def test_hub_path_reads_a_saved_dataset_like_the_file(tmp_path, monkeypatch):
 def test_eval_fraction_holds_out_a_fixed_disjoint_share(tmp_path):
     _, tok = tiny(seed=0)
     rows = [{"prompt": f"p{i}", "chosen": f" c{i}", "rejected": f" r{i}"} for i in range(40)]
-    config = DataConfig(data=(_write_jsonl(tmp_path / "a.jsonl", rows[:25]) + "," +
-                              _write_jsonl(tmp_path / "b.jsonl", rows[25:]),), eval_fraction=0.25)
+    config = DataConfig(
+        data=(
+            _write_jsonl(tmp_path / "a.jsonl", rows[:25])
+            + ","
+            + _write_jsonl(tmp_path / "b.jsonl", rows[25:]),
+        ),
+        eval_fraction=0.25,
+    )
     assert len(config.data) == 2  # comma-separated files
     train, evals, summary = prepare_data(config, tok, str(tmp_path / "cache"))
+
     def prompts(t):
         return {tok.decode(t[i]["prompt"]) for i in range(len(t))}
+
     assert len(train) == 30 and len(evals) == 10 and summary["eval"]["pairs"] == 10
-    assert prompts(train) | prompts(evals) == {f"p{i}" for i in range(40)} and not prompts(train) & prompts(evals)
-    _, again, _ = prepare_data(DataConfig(data=config.data, eval_fraction=0.25), tok, str(tmp_path / "other"))
+    assert prompts(train) | prompts(evals) == {f"p{i}" for i in range(40)} and not prompts(
+        train
+    ) & prompts(evals)
+    _, again, _ = prepare_data(
+        DataConfig(data=config.data, eval_fraction=0.25), tok, str(tmp_path / "other")
+    )
     assert prompts(again) == prompts(evals)
     with pytest.raises(ValueError, match="not both"):
         DataConfig(eval_data=("x.jsonl",), eval_fraction=0.1)
@@ -890,30 +1311,65 @@ def test_eval_fraction_holds_out_a_fixed_disjoint_share(tmp_path):
 def test_several_files_of_different_formats_train_end_to_end(tmp_path):
     pairs = demo_pairs("train")[:32]
     std = _write_jsonl(tmp_path / "std.jsonl", pairs[:16])
-    conv = _write_jsonl(tmp_path / "conv.jsonl", [
-        {"prompt": [{"role": "user", "content": p["prompt"]}],
-         "chosen": [{"role": "assistant", "content": p["chosen"]}],
-         "rejected": [{"role": "assistant", "content": p["rejected"]}]} for p in pairs[16:]])
-    out = run(tmp_path, "run", "--data", std, "--data", conv, "--eval-fraction", "0.25", "--batch-size", "8",
-              "--max-steps", "2")
-    data_rows = {r["split"]: r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if r["step"] == 0}
+    conv = _write_jsonl(
+        tmp_path / "conv.jsonl",
+        [
+            {
+                "prompt": [{"role": "user", "content": p["prompt"]}],
+                "chosen": [{"role": "assistant", "content": p["chosen"]}],
+                "rejected": [{"role": "assistant", "content": p["rejected"]}],
+            }
+            for p in pairs[16:]
+        ],
+    )
+    out = run(
+        tmp_path,
+        "run",
+        "--data",
+        std,
+        "--data",
+        conv,
+        "--eval-fraction",
+        "0.25",
+        "--batch-size",
+        "8",
+        "--max-steps",
+        "2",
+    )
+    data_rows = {
+        r["split"]: r
+        for r in map(json.loads, open(os.path.join(out, "metrics.jsonl")))
+        if r["step"] == 0
+    }
     assert data_rows["data/train"]["pairs"] == 24 and data_rows["data/eval"]["pairs"] == 8
     assert len(read_metrics(out)) == 2 and read_metrics(out, "eval")[-1]["loss"] > 0
 
 
 BAD_INPUTS = {
-    "malformed.jsonl": ('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": \n',
-                        ":2: invalid JSON"),
-    "missing.jsonl": ('{"prompt": "a", "chosen": "b", "rejected": "c"}\n\n{"prompt": "a", "chosen": "b"}\n',
-                      ":3: missing field 'rejected'"),
-    "notstr.json": ('[\n  {"prompt": "a", "chosen": "b", "rejected": "c"},\n'
-                    '  {"prompt": "a", "chosen": 7, "rejected": "c"}\n]', ":3: field 'chosen' must be a string"),
-    "badarray.json": ('[{"prompt": "a", "chosen": "b", "rejected": "c"}\n {"prompt": "a"}]', ":2: invalid JSON"),
+    "malformed.jsonl": (
+        '{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": \n',
+        ":2: invalid JSON",
+    ),
+    "missing.jsonl": (
+        '{"prompt": "a", "chosen": "b", "rejected": "c"}\n\n{"prompt": "a", "chosen": "b"}\n',
+        ":3: missing field 'rejected'",
+    ),
+    "notstr.json": (
+        '[\n  {"prompt": "a", "chosen": "b", "rejected": "c"},\n'
+        '  {"prompt": "a", "chosen": 7, "rejected": "c"}\n]',
+        ":3: field 'chosen' must be a string",
+    ),
+    "badarray.json": (
+        '[{"prompt": "a", "chosen": "b", "rejected": "c"}\n {"prompt": "a"}]',
+        ":2: invalid JSON",
+    ),
     "notobject.jsonl": ('["a", "b", "c"]\n', ":1: expected an object"),
     "empty.jsonl": ("\n  \n", ":1: empty file"),
     "absent.jsonl": (None, ": no such file"),
-    "latin1.jsonl": (b'{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "caf\xe9", "chosen": "b"}\n',
-                     ":2: not UTF-8 text (byte 0xe9 at column 16)"),
+    "latin1.jsonl": (
+        b'{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "caf\xe9", "chosen": "b"}\n',
+        ":2: not UTF-8 text (byte 0xe9 at column 16)",
+    ),
 }
 
 
@@ -936,44 +1392,83 @@ def test_bad_input_is_one_clean_line_and_writes_nothing(tmp_path, capsys, name):
 def test_bad_input_from_the_command_line_has_no_traceback(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "chosen": "b", "rejected": 3}\n')
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "train_dpo.py"), "--out-dir", str(tmp_path / "o"),
-                           *ON_CPU, "--data", str(bad)], capture_output=True, text=True, timeout=120,
-                          env=SUBPROCESS_ENV)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(HERE, "train_dpo.py"),
+            "--out-dir",
+            str(tmp_path / "o"),
+            *ON_CPU,
+            "--data",
+            str(bad),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=SUBPROCESS_ENV,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith(f"error: {bad}:1: field 'rejected'")
+    assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith(
+        f"error: {bad}:1: field 'rejected'"
+    )
     # A config's own check fails through tyro's parser, in main() as from the command line.
     with pytest.raises(SystemExit) as exit_info:
-        train_dpo.main(["--out-dir", str(tmp_path / "o"), *ON_CPU, "--batch-size", "30", "--micro-batch-size", "4"])
+        train_dpo.main(
+            [
+                "--out-dir",
+                str(tmp_path / "o"),
+                *ON_CPU,
+                "--batch-size",
+                "30",
+                "--micro-batch-size",
+                "4",
+            ]
+        )
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1
     assert err.startswith("error: --batch-size 30 must be a multiple")
     assert not (tmp_path / "o").exists()
 
 
-# ---------------------------------------------------------------------------------------------- precision, FSDP
+# ---------------------------------------------------------------------------------- precision, FSDP
 def test_precision_names_and_errors():
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
         p = resolve_precision(PrecisionConfig(name), CPU)
         assert p.compute_dtype == dtype and p.mp_policy.param_dtype == dtype
-        assert p.mp_policy.reduce_dtype == torch.float32 and p.scaler.is_enabled() == (name == "fp16")
-    assert resolve_precision(PrecisionConfig("auto"), CPU).name == "fp32"  # bf16 only on a CUDA device that supports it
+        assert p.mp_policy.reduce_dtype == torch.float32 and p.scaler.is_enabled() == (
+            name == "fp16"
+        )
+    assert (
+        resolve_precision(PrecisionConfig("auto"), CPU).name == "fp32"
+    )  # bf16 only on a CUDA device that supports it
     with pytest.raises(ValueError, match="fp32, bf16, fp16"):
         resolve_precision(PrecisionConfig("fp8"), CPU)
 
 
-def test_bf16_on_a_cpu_without_native_bf16_is_never_automatic_and_warns_once(tmp_path, monkeypatch, capsys):
-    cpuinfo = {"avx2": "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n\nprocessor\t: 1\nflags\t\t: fpu avx2\n",
-               "amx": "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile amx_bf16\n",
-               "arm": "Features\t: fp asimd bf16\n"}
+def test_bf16_on_a_cpu_without_native_bf16_is_never_automatic_and_warns_once(
+    tmp_path, monkeypatch, capsys
+):
+    cpuinfo = {
+        "avx2": (
+            "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n\n"
+            "processor\t: 1\nflags\t\t: fpu avx2\n"
+        ),
+        "amx": "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile amx_bf16\n",
+        "arm": "Features\t: fp asimd bf16\n",
+    }
     for name, text in cpuinfo.items():
         (tmp_path / name).write_text(text)
-    found = {name: precision.cpu_has_native_bf16(str(tmp_path / name)) for name in [*cpuinfo, "absent"]}
+    found = {
+        name: precision.cpu_has_native_bf16(str(tmp_path / name)) for name in [*cpuinfo, "absent"]
+    }
     assert found == {"avx2": False, "amx": True, "arm": True, "absent": None}
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)  # an AVX2-only CPU
     auto = resolve_precision(PrecisionConfig("auto"), CPU)
     assert auto.name == "fp32" and auto.warning is None
     assert "no native bfloat16" in resolve_precision(PrecisionConfig("bf16"), CPU).warning
-    run(tmp_path, "slow", "--precision", "bf16", "--max-steps", "1", "--batch-size", "4")  # it trains, saying why slow
+    run(
+        tmp_path, "slow", "--precision", "bf16", "--max-steps", "1", "--batch-size", "4"
+    )  # it trains, saying why slow
     err = capsys.readouterr().err
     assert err.count("warning: --precision bf16: this CPU has no native bfloat16") == 1
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
@@ -982,28 +1477,41 @@ def test_bf16_on_a_cpu_without_native_bf16_is_never_automatic_and_warns_once(tmp
 
 def test_auto_skips_gpus_that_only_emulate_bf16(monkeypatch):
     # A V100 or T4: torch.cuda.is_bf16_supported() says yes by default, counting slow emulation.
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    monkeypatch.setattr(
+        torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation
+    )
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-32GB")
     gpu = torch.device("cuda", 0)
     assert resolve_precision(PrecisionConfig("auto"), gpu).name == "fp32"
     with pytest.raises(ValueError, match="32GB has no native bfloat16; choose fp16 or fp32"):
         resolve_precision(PrecisionConfig("bf16"), gpu)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # an A100 or H100
+    monkeypatch.setattr(
+        torch.cuda, "is_bf16_supported", lambda including_emulation=True: True
+    )  # an A100 or H100
     assert resolve_precision(PrecisionConfig("auto"), gpu).name == "bf16"
 
 
 def test_each_process_takes_its_own_gpu_however_many_it_sees(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    for visible, local_rank, shown, expected in ((8, 3, "", 3), (4, 0, "", 0), (1, 0, "", 0), (1, 3, "5", 0)):
+    for visible, local_rank, shown, expected in (
+        (8, 3, "", 3),
+        (4, 0, "", 0),
+        (1, 0, "", 0),
+        (1, 3, "5", 0),
+    ):
         monkeypatch.setattr(torch.cuda, "device_count", lambda visible=visible: visible)
         monkeypatch.setenv("LOCAL_RANK", str(local_rank))
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", shown)  # "5": a launcher showed this process GPU 5 alone
+        monkeypatch.setenv(
+            "CUDA_VISIBLE_DEVICES", shown
+        )  # "5": a launcher showed this process GPU 5 alone
         assert fsdp_setup._local_gpu() == expected
     for visible, local_rank in ((2, 5), (1, 1)):  # (1, 1): two processes on a one-GPU machine
         monkeypatch.setattr(torch.cuda, "device_count", lambda visible=visible: visible)
         monkeypatch.setenv("LOCAL_RANK", str(local_rank))
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-        with pytest.raises(ValueError, match=f"LOCAL_RANK {local_rank} but this process sees only {visible} GPUs"):
+        with pytest.raises(
+            ValueError, match=f"LOCAL_RANK {local_rank} but this process sees only {visible} GPUs"
+        ):
             fsdp_setup._local_gpu()
     if not GPUS:
         with pytest.raises(ValueError, match="--device cuda: no CUDA device is visible"):
@@ -1011,26 +1519,45 @@ def test_each_process_takes_its_own_gpu_however_many_it_sees(monkeypatch):
 
 
 def test_reduce_dtype_flag(tmp_path, capsys):
-    assert resolve_precision(PrecisionConfig("bf16", reduce_dtype="bf16"), CPU).mp_policy.reduce_dtype == torch.bfloat16
+    assert (
+        resolve_precision(PrecisionConfig("bf16", reduce_dtype="bf16"), CPU).mp_policy.reduce_dtype
+        == torch.bfloat16
+    )
     with pytest.raises(ValueError, match="needs --precision bf16"):
         resolve_precision(PrecisionConfig("fp32", reduce_dtype="bf16"), CPU)
-    # Unsharded accumulation would add the micro-batches' gradients in bf16: refused, before anything is written.
+    # Unsharded accumulation would add the micro-batches' gradients in bf16: refused, before
+    # anything is written.
     with pytest.raises(SystemExit) as exit_info:
-        run(tmp_path, "run", "--precision", "bf16", "--reduce-dtype", "bf16", "--unsharded-grad-accumulation")
+        run(
+            tmp_path,
+            "run",
+            "--precision",
+            "bf16",
+            "--reduce-dtype",
+            "bf16",
+            "--unsharded-grad-accumulation",
+        )
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and "error: --unsharded-grad-accumulation sums micro-batch gradients" in err
+    assert (
+        exit_info.value.code == 2
+        and "error: --unsharded-grad-accumulation sums micro-batch gradients" in err
+    )
     assert not (tmp_path / "run").exists()
 
 
 def sharded_tiny(seed, precision="fp32", frozen=False, **fsdp):
-    """The trainer's own path: parameters on the meta device, sharded, each rank's rows read from the weights."""
+    """The trainer's own path: parameters on the meta device, sharded, each rank's rows read from
+    the weights."""
     config, tok = tiny_config()
     cfg = train_dpo.Config(fsdp=train_dpo.FSDPConfig(**fsdp))
 
     def make():
         return train_dpo.prepare_model(cfg, build_model(config))
+
     mp_policy = resolve_precision(PrecisionConfig(precision), CPU).mp_policy
-    model = fsdp_setup.build_sharded(make, open_weights("tiny", config, seed), mp_policy, CPU, cfg.fsdp, frozen)
+    model = fsdp_setup.build_sharded(
+        make, open_weights("tiny", config, seed), mp_policy, CPU, cfg.fsdp, frozen
+    )
     return model, tiny_model(config, seed), tok
 
 
@@ -1042,54 +1569,97 @@ def full_state(model):
 def test_meta_device_build_loads_the_weights_buffers_and_tie_exactly():
     with world_of_one():
         model, full, tok = sharded_tiny(seed=7)
-        assert model.lm_head.weight is model.model.embed_tokens.weight  # the tie survives meta init and sharding
-        for name, buf in full.named_buffers():  # incl. non-persistent rotary inv_freq, absent from state dicts
+        assert (
+            model.lm_head.weight is model.model.embed_tokens.weight
+        )  # the tie survives meta init and sharding
+        for (
+            name,
+            buf,
+        ) in full.named_buffers():  # incl. non-persistent rotary inv_freq, absent from state dicts
             torch.testing.assert_close(model.get_buffer(name), buf, rtol=0, atol=0)
         batch = collate_pairs(tokenize(demo_pairs("train")[:3], tok, 64, 32), tok.pad_token_id)
         with torch.no_grad():
             inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
-            torch.testing.assert_close(model(**inputs).logits, full(**inputs).logits, rtol=0, atol=0)
+            torch.testing.assert_close(
+                model(**inputs).logits, full(**inputs).logits, rtol=0, atol=0
+            )
         state = full_state(model)
     for k, v in full.state_dict().items():
         assert k == "lm_head.weight" or torch.equal(state[k], v), k
 
 
-def test_weights_load_from_several_bf16_files_and_export_in_several_files_tensor_by_tensor(tmp_path, monkeypatch):
-    """A folder's files, read a slice at a time (models.open_weights), against Hugging Face's own from_pretrained;
-    the export, written one tensor at a time in several files, against its from_pretrained and the weights."""
+def test_weights_load_from_several_bf16_files_and_export_in_several_files_tensor_by_tensor(
+    tmp_path, monkeypatch
+):
+    """A folder's files, read a slice at a time (models.open_weights), against Hugging Face's own
+    from_pretrained; the export, written one tensor at a time in several files, against its
+    from_pretrained and the weights."""
     config, tok = tiny_config()
     config.tie_word_embeddings = False  # an untied output layer too
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(
-        tmp_path / "in", max_shard_size="300KB")
+        tmp_path / "in", max_shard_size="300KB"
+    )
     assert len([f for f in os.listdir(tmp_path / "in") if f.endswith(".safetensors")]) > 2
     batch = collate_pairs(tokenize(demo_pairs("train")[:3], tok, 64, 32), tok.pad_token_id)
-    expected = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "in", dtype=torch.float32)
+    expected = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "in", dtype=torch.float32
+    )
     monkeypatch.setattr(models, "_FILE_BYTES", 400_000)
     with world_of_one():
         mp_policy = resolve_precision(PrecisionConfig("fp32"), CPU).mp_policy
-        model = fsdp_setup.build_sharded(functools.partial(build_model, config), open_weights(str(tmp_path / "in"),
-                                         config, 0), mp_policy, CPU, train_dpo.FSDPConfig())
+        model = fsdp_setup.build_sharded(
+            functools.partial(build_model, config),
+            open_weights(str(tmp_path / "in"), config, 0),
+            mp_policy,
+            CPU,
+            train_dpo.FSDPConfig(),
+        )
         with torch.no_grad():
-            torch.testing.assert_close(model(input_ids=batch.input_ids).logits,
-                                       expected(input_ids=batch.input_ids).logits, rtol=0, atol=0)
-        models.save_pretrained(str(tmp_path / "out"), model, full_tensors(model, CPU), torch.bfloat16)
+            torch.testing.assert_close(
+                model(input_ids=batch.input_ids).logits,
+                expected(input_ids=batch.input_ids).logits,
+                rtol=0,
+                atol=0,
+            )
+        models.save_pretrained(
+            str(tmp_path / "out"), model, full_tensors(model, CPU), torch.bfloat16
+        )
     files = sorted(f for f in os.listdir(tmp_path / "out") if f.endswith(".safetensors"))
     assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     with open(tmp_path / "out" / "config.json") as f:
-        assert json.load(f)["architectures"] == ["LlamaForCausalLM"]  # what serving engines build from
+        assert json.load(f)["architectures"] == [
+            "LlamaForCausalLM"
+        ]  # what serving engines build from
     names = expected.state_dict().keys()
     assert exported.dtype == torch.bfloat16 and exported.state_dict().keys() == names
-    for name, tensor in exported.state_dict().items():  # bf16 files, loaded into float32, written as bf16
+    for (
+        name,
+        tensor,
+    ) in exported.state_dict().items():  # bf16 files, loaded into float32, written as bf16
         assert torch.equal(tensor, expected.state_dict()[name].bfloat16()), name
-    monkeypatch.setattr(models, "_FILE_BYTES", 2**40)  # exported again into the same folder, as one file
+    monkeypatch.setattr(
+        models, "_FILE_BYTES", 2**40
+    )  # exported again into the same folder, as one file
     with world_of_one():
-        model = fsdp_setup.build_sharded(functools.partial(build_model, config), open_weights(str(tmp_path / "out"),
-                                         config, 0), mp_policy, CPU, train_dpo.FSDPConfig())
-        models.save_pretrained(str(tmp_path / "out"), model, full_tensors(model, CPU), torch.bfloat16)
-    assert sorted(f for f in os.listdir(tmp_path / "out") if f.startswith("model")) == ["model.safetensors"]
-    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict().keys() == names
+        model = fsdp_setup.build_sharded(
+            functools.partial(build_model, config),
+            open_weights(str(tmp_path / "out"), config, 0),
+            mp_policy,
+            CPU,
+            train_dpo.FSDPConfig(),
+        )
+        models.save_pretrained(
+            str(tmp_path / "out"), model, full_tensors(model, CPU), torch.bfloat16
+        )
+    assert sorted(f for f in os.listdir(tmp_path / "out") if f.startswith("model")) == [
+        "model.safetensors"
+    ]
+    assert (
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict().keys()
+        == names
+    )
 
 
 def test_a_folder_without_the_weights_the_model_needs_fails_with_one_line(tmp_path):
@@ -1097,13 +1667,29 @@ def test_a_folder_without_the_weights_the_model_needs_fails_with_one_line(tmp_pa
     with pytest.raises(ValueError, match="no model.safetensors nor model.safetensors.index.json"):
         models.find_weights(str(tmp_path))
     full = tiny_model(config, 0)
-    dropped = ("lm_head.weight", "model.layers.3.mlp.up_proj.weight")  # tied (not saved); the one missing
-    safetensors.torch.save_file({k: v for k, v in full.state_dict().items() if k not in dropped},
-                                str(tmp_path / "model.safetensors"))
-    with world_of_one(), pytest.raises(ValueError, match=r"^--model: its weight model.layers.3.mlp.up_proj.weight "
-                                                         r"of shape \[384, 128\] is missing in its files$"):
-        fsdp_setup.build_sharded(functools.partial(build_model, config), open_weights(str(tmp_path), config, 0),
-                                 MixedPrecisionPolicy(), CPU, train_dpo.FSDPConfig())
+    dropped = (
+        "lm_head.weight",
+        "model.layers.3.mlp.up_proj.weight",
+    )  # tied (not saved); the one missing
+    safetensors.torch.save_file(
+        {k: v for k, v in full.state_dict().items() if k not in dropped},
+        str(tmp_path / "model.safetensors"),
+    )
+    with (
+        world_of_one(),
+        pytest.raises(
+            ValueError,
+            match=r"^--model: its weight model.layers.3.mlp.up_proj.weight "
+            r"of shape \[384, 128\] is missing in its files$",
+        ),
+    ):
+        fsdp_setup.build_sharded(
+            functools.partial(build_model, config),
+            open_weights(str(tmp_path), config, 0),
+            MixedPrecisionPolicy(),
+            CPU,
+            train_dpo.FSDPConfig(),
+        )
 
 
 def test_bf16_keeps_float32_masters_grads_optimizer_state_and_loss():
@@ -1112,11 +1698,14 @@ def test_bf16_keeps_float32_masters_grads_optimizer_state_and_loss():
         reference, _, _ = sharded_tiny(seed=4, precision="bf16", frozen=True)
         assert all(p.dtype == torch.float32 and p.requires_grad for p in policy.parameters())
         assert not any(p.requires_grad for p in reference.parameters()) and not reference.training
-        # The frozen reference is stored in bf16 (no float32 copy), and computes exactly what the policy does.
+        # The frozen reference is stored in bf16 (no float32 copy), and computes exactly what the
+        # policy does.
         assert all(p.dtype == torch.bfloat16 for p in reference.parameters())
         ids = torch.randint(0, 256, (2, 12))
         with torch.no_grad():
-            torch.testing.assert_close(reference(input_ids=ids).logits, policy(input_ids=ids).logits, rtol=0, atol=0)
+            torch.testing.assert_close(
+                reference(input_ids=ids).logits, policy(input_ids=ids).logits, rtol=0, atol=0
+            )
         policy.reshard()
         batch = collate_pairs(tokenize(demo_pairs("train")[:2], tok, 64, 32), tok.pad_token_id)
         logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
@@ -1129,7 +1718,9 @@ def test_bf16_keeps_float32_masters_grads_optimizer_state_and_loss():
         optimizer.step()
         assert all(p.grad.dtype == torch.float32 for p in policy.parameters())
         states = [t for st in optimizer.state.values() for k, t in st.items() if k != "step"]
-        assert len(states) == 2 * len(list(policy.parameters())) and all(t.dtype == torch.float32 for t in states)
+        assert len(states) == 2 * len(list(policy.parameters())) and all(
+            t.dtype == torch.float32 for t in states
+        )
 
 
 def test_activation_checkpointing_and_resharding_change_memory_not_math():
@@ -1143,13 +1734,17 @@ def test_activation_checkpointing_and_resharding_change_memory_not_math():
                 def wrapper(*args, **kwargs):
                     counts["mlp"] += 1
                     return forward(*args, **kwargs)
+
                 return wrapper
+
             for layer in model.model.layers:
                 layer.mlp.forward = counted(layer.mlp.forward)
             batch = collate_pairs(tokenize(demo_pairs("train")[:2], tok, 64, 32), tok.pad_token_id)
+
             def pack(t, counts=counts):
                 counts["saved"] += 1
                 return t
+
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 logits = model(input_ids=batch.input_ids, use_cache=False).logits
             logps = sequence_logps(logits, batch.labels)
@@ -1157,7 +1752,8 @@ def test_activation_checkpointing_and_resharding_change_memory_not_math():
             grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
             results.append((logps.detach(), grads, counts))
     layers = len(model.model.layers)
-    # Checkpointing runs every block's forward again in backward, and keeps far fewer tensors for it.
+    # Checkpointing runs every block's forward again in backward, and keeps far fewer tensors for
+    # it.
     assert [r[2]["mlp"] for r in results] == [layers, 2 * layers, layers]
     assert results[1][2]["saved"] < results[0][2]["saved"] / 4
     for logps, grads, _ in results[1:]:
@@ -1167,18 +1763,30 @@ def test_activation_checkpointing_and_resharding_change_memory_not_math():
 
 
 def test_compiled_blocks_train_like_eager_on_cpu(six_steps, tmp_path):
-    """CPU: inductor's C++ kernels; with activation checkpointing, so its recomputation is compiled too. Against the
-    eager six_steps run's first 3 steps: their losses and gradients come before any update past the warmup, so the
-    shorter schedule changes nothing in them (and checkpointing changes no math: tested above)."""
+    """CPU: inductor's C++ kernels; with activation checkpointing, so its recomputation is compiled
+    too. Against the eager six_steps run's first 3 steps: their losses and gradients come before any
+    update past the warmup, so the shorter schedule changes nothing in them (and checkpointing
+    changes no math: tested above)."""
     eager = read_metrics(six_steps[0])[:3]
-    compiled = read_metrics(run(tmp_path, "compiled", "--max-steps", "3", "--micro-batch-size", "8",
-                                "--activation-checkpointing", "--compile"))
+    compiled = read_metrics(
+        run(
+            tmp_path,
+            "compiled",
+            "--max-steps",
+            "3",
+            "--micro-batch-size",
+            "8",
+            "--activation-checkpointing",
+            "--compile",
+        )
+    )
     assert [r["loss"] for r in compiled] == pytest.approx([r["loss"] for r in eager], rel=1e-4)
     assert compiled[-1]["grad_norm"] == pytest.approx(eager[-1]["grad_norm"], rel=1e-3)
 
 
 def test_a_frozen_reference_reshards_even_with_no_reshard_after_forward():
     from torch.distributed.tensor import DTensor
+
     with world_of_one():
         policy, _, tok = sharded_tiny(seed=2, reshard_after_forward=False)
         reference, _, _ = sharded_tiny(seed=2, frozen=True, reshard_after_forward=False)
@@ -1187,9 +1795,10 @@ def test_a_frozen_reference_reshards_even_with_no_reshard_after_forward():
         with torch.no_grad():
             reference(**inputs)
         policy(**inputs)
-        # FSDP2 swaps a module's sharded DTensor parameters for plain gathered tensors while it is unsharded.
-        # The policy's blocks stay gathered for the backward that follows (ZeRO-2); the reference has none,
-        # so its blocks must be sharded again, or every rank would hold the whole reference.
+        # FSDP2 swaps a module's sharded DTensor parameters for plain gathered tensors while it is
+        # unsharded. The policy's blocks stay gathered for the backward that follows (ZeRO-2); the
+        # reference has none, so its blocks must be sharded again, or every rank would hold the
+        # whole reference.
         assert not any(isinstance(p, DTensor) for p in policy.model.layers.parameters())
         assert all(isinstance(p, DTensor) for p in reference.parameters())
 
@@ -1201,13 +1810,15 @@ def test_gradient_accumulation_keeps_only_gradient_shards_unless_asked(tmp_path,
         if torch.is_grad_enabled():  # a training forward, not evaluation
             held.append({p.grad is not None for p in policy.parameters()})
         return real(policy, *args, **kwargs)
+
     monkeypatch.setattr(train_dpo, "pair_logps", pair_logps)
     args = ("--max-steps", "2", "--micro-batch-size", "8")  # 2 micro-batches a step
     sharded = run(tmp_path, "sharded", *args)
     unsharded = run(tmp_path, "unsharded", *args, "--unsharded-grad-accumulation")
-    # By default micro-batch 1's gradient is reduce-scattered at once: micro-batch 2 finds it in p.grad, as a
-    # shard, and FSDP has freed the full one. Asked for unsharded accumulation, FSDP holds the full gradient
-    # itself until the step's last micro-batch, and p.grad is still empty at micro-batch 2.
+    # By default micro-batch 1's gradient is reduce-scattered at once: micro-batch 2 finds it in
+    # p.grad, as a shard, and FSDP has freed the full one. Asked for unsharded accumulation, FSDP
+    # holds the full gradient itself until the step's last micro-batch, and p.grad is still empty at
+    # micro-batch 2.
     assert held == [{False}, {True}] * 2 + [{False}, {False}] * 2
     _assert_same_run(sharded, unsharded, exact=False)  # the same training either way
 
@@ -1232,39 +1843,73 @@ def test_find_block_class_without_no_split_modules():
         find_block_class(torch.nn.Linear(2, 2))
 
 
-# ---------------------------------------------------------------------------------------------- end to end
+# --------------------------------------------------------------------------------------- end to end
 def test_tiny_run_learns_the_preference_and_exports_a_loadable_model(tmp_path):
     out = run(tmp_path, "e2e", "--max-steps", "12", "--eval-every", "6", "--eval-before")
     train, evals = read_metrics(out), read_metrics(out, "eval")
-    keys = {"step", "split", "loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-            "logps/chosen", "logps/rejected", "grad_norm", "lr", "tokens_per_s", "pairs_per_s", "elapsed_s",
-            "padding_efficiency", "peak_mem_gb", "skipped"}
+    keys = {
+        "step",
+        "split",
+        "loss",
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+        "grad_norm",
+        "lr",
+        "tokens_per_s",
+        "pairs_per_s",
+        "elapsed_s",
+        "padding_efficiency",
+        "peak_mem_gb",
+        "skipped",
+    }
     assert [r["step"] for r in train] == list(range(1, 13)) and all(keys <= set(r) for r in train)
-    assert all(0.5 < r["padding_efficiency"] <= 1 and r["peak_mem_gb"] > 0.1 and "mfu" not in r for r in train)
-    assert train[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference at the first step
-    assert [r["step"] for r in evals] == [0, 6, 12] and evals[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
-    assert math.log(2) > evals[1]["loss"] > evals[2]["loss"] and evals[2]["rewards/accuracies"] >= 0.9
+    assert all(
+        0.5 < r["padding_efficiency"] <= 1 and r["peak_mem_gb"] > 0.1 and "mfu" not in r
+        for r in train
+    )
+    assert train[0]["loss"] == pytest.approx(
+        math.log(2), abs=1e-6
+    )  # policy == reference at the first step
+    assert [r["step"] for r in evals] == [0, 6, 12] and evals[0]["loss"] == pytest.approx(
+        math.log(2), abs=1e-6
+    )
+    assert (
+        math.log(2) > evals[1]["loss"] > evals[2]["loss"] and evals[2]["rewards/accuracies"] >= 0.9
+    )
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     final = os.path.join(out, "final")
-    model, tok = add_scored_head(AutoModelForCausalLM.from_pretrained(final)), AutoTokenizer.from_pretrained(final)
+    model, tok = (
+        add_scored_head(AutoModelForCausalLM.from_pretrained(final)),
+        AutoTokenizer.from_pretrained(final),
+    )
     assert json.load(open(os.path.join(final, "train_config.json")))["lr"] == 1e-3
-    # Independent check of the export: score the held-out set with the loaded model against a freshly
-    # built reference; it must reproduce the logged final evaluation.
+    # Independent check of the export: score the held-out set with the loaded model against a
+    # freshly built reference; it must reproduce the logged final evaluation.
     reference, _ = tiny(seed=0)
     pairs = tokenize(HELD_OUT_PAIRS, tok, 512, 256)
     with torch.no_grad():
-        out_pairs = forward_pairs(model.eval(), reference.eval(), collate_pairs(pairs, tok.pad_token_id),
-                                            train_dpo.LossConfig())
+        out_pairs = forward_pairs(
+            model.eval(),
+            reference.eval(),
+            collate_pairs(pairs, tok.pad_token_id),
+            train_dpo.LossConfig(),
+        )
     assert out_pairs["losses"].mean().item() == pytest.approx(evals[-1]["loss"], rel=1e-4)
     accuracy = (out_pairs["chosen_rewards"] > out_pairs["rejected_rewards"]).float().mean().item()
     assert accuracy == pytest.approx(evals[-1]["rewards/accuracies"])
 
 
-# Weights of two runs that differ only in float rounding (another split of the batch, other ranks), after a few
-# Adam steps at the tiny model's lr of 1e-3: Adam divides each gradient by its own running scale, so a weight
-# whose gradient is near 0 moves by a share of lr that the rounding decides (seen: 4e-5 on an AMX CPU). A
-# tenth of one step's lr still catches any real difference in the math.
+# Weights of two runs that differ only in float rounding (another split of the batch, other ranks),
+# after a few Adam steps at the tiny model's lr of 1e-3: Adam divides each gradient by its own
+# running scale, so a weight whose gradient is near 0 moves by a share of lr that the rounding
+# decides (seen: 4e-5 on an AMX CPU). A tenth of one step's lr still catches any real difference in
+# the math.
 ADAM_ATOL = 1e-4
 
 
@@ -1278,9 +1923,10 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=ADAM_ATOL)
 
 
-# ---------------------------------------------------------------------------------------------- checkpoints
+# -------------------------------------------------------------------------------------- checkpoints
 def _record_randomness(monkeypatch, cuda=False):
-    """Draw from torch's and Python's generators (and this GPU's) at every training forward; return the draws."""
+    """Draw from torch's and Python's generators (and this GPU's) at every training forward; return
+    the draws."""
     real, draws = train_dpo.pair_loss, []
 
     def pair_loss(*args, **kwargs):
@@ -1288,30 +1934,37 @@ def _record_randomness(monkeypatch, cuda=False):
             cuda_draw = [torch.rand(1, device="cuda").item()] if cuda else []
             draws.append((torch.rand(1).item(), random.random(), *cuda_draw))
         return real(*args, **kwargs)
+
     monkeypatch.setattr(train_dpo, "pair_loss", pair_loss)
     return draws
 
 
-# Runs compared with SIX_STEPS use its micro-batch of 8 pairs: the same forward shapes give the same rounding.
+# Runs compared with SIX_STEPS use its micro-batch of 8 pairs: the same forward shapes give the same
+# rounding.
 SIX = ("--max-steps", "6", "--micro-batch-size", "8")
 
 
 @pytest.fixture(scope="module")
 def six_steps(tmp_path_factory):
-    """An uninterrupted 1-rank run of 6 steps (2 micro-batches each), checkpointed every 2, keeping the last 2."""
+    """An uninterrupted 1-rank run of 6 steps (2 micro-batches each), checkpointed every 2, keeping
+    the last 2."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         draws = _record_randomness(monkeypatch)
-        out = run(tmp_path_factory.mktemp("six"), "run", *SIX, "--save-every", "2", "--keep-last", "2")
+        out = run(
+            tmp_path_factory.mktemp("six"), "run", *SIX, "--save-every", "2", "--keep-last", "2"
+        )
     return out, draws
 
 
 def _assert_same_run(a, b, exact=True, keys=PAIR_METRICS, weight_atol=ADAM_ATOL):
-    """Same per-step train and eval metrics and the same exported tensors: bit for bit, or metrics within 1e-4
-    and weights within weight_atol."""
+    """Same per-step train and eval metrics and the same exported tensors: bit for bit, or metrics
+    within 1e-4 and weights within weight_atol."""
     assert [r["step"] for r in read_metrics(a)] == list(range(1, len(read_metrics(a)) + 1))
     for split in ("train", "eval"):
         rows_a, rows_b = read_metrics(a, split), read_metrics(b, split)
-        if split == "eval" and (rows_a[0]["step"] == 0) != (rows_b[0]["step"] == 0):  # a resumed run skips step 0's
+        if split == "eval" and (rows_a[0]["step"] == 0) != (
+            rows_b[0]["step"] == 0
+        ):  # a resumed run skips step 0's
             rows_a, rows_b = [r for r in rows_a if r["step"]], [r for r in rows_b if r["step"]]
         assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b] and rows_a
         for x, y in zip(rows_a, rows_b):
@@ -1325,10 +1978,30 @@ def _assert_same_run(a, b, exact=True, keys=PAIR_METRICS, weight_atol=ADAM_ATOL)
 
 
 # Every option of the objective at once (f-DPO allows this mix), TR-DPO syncing every 2 of 4 steps.
-OBJECTIVES = ("--loss", "dpo", "--loss", "ipo", "--loss-weights", "1", "--loss-weights", "0.5", "--use-weighting",
-              "--ld-alpha", "0.5", "--f-divergence-type", "js_divergence", "--sync-ref-model",
-              "--ref-model-sync-steps", "2", "--ref-model-mixup-alpha", "0.6", "--max-steps", "4",
-              "--micro-batch-size", "8")
+OBJECTIVES = (
+    "--loss",
+    "dpo",
+    "--loss",
+    "ipo",
+    "--loss-weights",
+    "1",
+    "--loss-weights",
+    "0.5",
+    "--use-weighting",
+    "--ld-alpha",
+    "0.5",
+    "--f-divergence-type",
+    "js_divergence",
+    "--sync-ref-model",
+    "--ref-model-sync-steps",
+    "2",
+    "--ref-model-mixup-alpha",
+    "0.6",
+    "--max-steps",
+    "4",
+    "--micro-batch-size",
+    "8",
+)
 
 
 @pytest.fixture(scope="module")
@@ -1340,45 +2013,68 @@ def objectives_run(tmp_path_factory):
 def _checkpoint_tensors(path, tmp_path):
     """A DCP checkpoint folder's full tensors: {"model", "optim", "reference"}."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     dcp_to_torch_save(path, tmp_path / "state.pt")
     return torch.load(tmp_path / "state.pt", weights_only=False)
 
 
 def test_tr_dpo_mixes_the_full_weights_and_a_resumed_run_is_bit_identical(objectives_run, tmp_path):
     ckpts = os.path.join(objectives_run, "checkpoints")
-    reference = tiny_model(tiny_config()[0], seed=0).state_dict()  # the reference at step 0: the initial policy
+    reference = tiny_model(
+        tiny_config()[0], seed=0
+    ).state_dict()  # the reference at step 0: the initial policy
     for step in (2, 4):  # each sync: reference = 0.6 policy + 0.4 reference, on the whole tensors
         state = _checkpoint_tensors(os.path.join(ckpts, f"step-{step}"), tmp_path)
         for name, before in reference.items():
             expected = before.mul(1 - 0.6).add(state["model"][name], alpha=0.6)
             torch.testing.assert_close(state["reference"][name], expected, rtol=0, atol=0)
         reference = state["reference"]
-    out = tmp_path / "resumed"  # step-2's checkpoint holds the synced reference: resuming reproduces every bit
+    out = (
+        tmp_path / "resumed"
+    )  # step-2's checkpoint holds the synced reference: resuming reproduces every bit
     shutil.copytree(ckpts, out / "checkpoints")
     (out / "checkpoints" / "latest").write_text("step-2")
-    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in read_metrics(objectives_run)[:2]))
+    (out / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in read_metrics(objectives_run)[:2])
+    )
     run(tmp_path, "resumed", *OBJECTIVES, "--resume", "latest")
     _assert_same_run(objectives_run, str(out))
 
 
-def test_resume_is_bit_identical_with_model_optimizer_schedule_data_and_rng(six_steps, tmp_path, monkeypatch):
+def test_resume_is_bit_identical_with_model_optimizer_schedule_data_and_rng(
+    six_steps, tmp_path, monkeypatch
+):
     full, full_draws = six_steps
     ckpts = os.path.join(full, "checkpoints")
-    assert sorted(os.listdir(ckpts)) == ["latest", "step-4", "step-6"]  # --keep-last 2 pruned step-2
+    assert sorted(os.listdir(ckpts)) == [
+        "latest",
+        "step-4",
+        "step-6",
+    ]  # --keep-last 2 pruned step-2
     assert open(os.path.join(ckpts, "latest")).read() == "step-6"
     state = json.load(open(os.path.join(ckpts, "step-4", "trainer_state.json")))
-    assert state["data_position"] == {"epoch": 0, "pairs_consumed": 64} and state["schedule"]["total_steps"] == 6
+    assert (
+        state["data_position"] == {"epoch": 0, "pairs_consumed": 64}
+        and state["schedule"]["total_steps"] == 6
+    )
     assert state["config"]["batching"]["batch_size"] == 16 and state["world_size"] == 1
     out = tmp_path / "resumed"
     out.mkdir()
     shutil.copytree(ckpts, out / "checkpoints")
-    (out / "metrics.jsonl").write_text("".join(  # what the killed run had logged past its last checkpoint too
-        json.dumps(r) + "\n" for r in read_metrics(full)[:5]))
+    (out / "metrics.jsonl").write_text(
+        "".join(  # what the killed run had logged past its last checkpoint too
+            json.dumps(r) + "\n" for r in read_metrics(full)[:5]
+        )
+    )
     draws = _record_randomness(monkeypatch)
     (out / "checkpoints" / "latest").write_text("step-4")
     run(tmp_path, "resumed", *SIX, "--resume", "latest")
-    assert draws == full_draws[2 * 4:]  # (2 micro-batches a step) torch and Python generators continue as they were
-    _assert_same_run(full, str(out))  # metrics.jsonl holds each step once, identical to the uninterrupted run
+    assert (
+        draws == full_draws[2 * 4 :]
+    )  # (2 micro-batches a step) torch and Python generators continue as they were
+    _assert_same_run(
+        full, str(out)
+    )  # metrics.jsonl holds each step once, identical to the uninterrupted run
 
 
 @needs_cuda
@@ -1388,32 +2084,56 @@ def test_resume_on_cuda_is_bit_identical_and_restores_this_gpus_generator(tmp_pa
     full_draws, out = list(draws), tmp_path / "resumed"
     draws.clear()
     shutil.copytree(os.path.join(full, "checkpoints"), out / "checkpoints")
-    shutil.copy(os.path.join(full, "metrics.jsonl"), out / "metrics.jsonl")  # resuming drops the rows past step 4
+    shutil.copy(
+        os.path.join(full, "metrics.jsonl"), out / "metrics.jsonl"
+    )  # resuming drops the rows past step 4
     (out / "checkpoints" / "latest").write_text("step-4")
     run(tmp_path, "resumed", *SIX, "--resume", "latest", device="cuda")
-    assert draws == full_draws[2 * 4:]
+    assert draws == full_draws[2 * 4 :]
     _assert_same_run(full, str(out))
 
 
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
 def test_a_checkpoint_saved_seeing_two_gpus_resumes_seeing_one(tmp_path):
     out = str(tmp_path / "run")
-    proc = torchrun(1, out, "--max-steps", "4", "--save-every", "2", device="cuda", env={"CUDA_VISIBLE_DEVICES": "0,1"})
+    proc = torchrun(
+        1,
+        out,
+        "--max-steps",
+        "4",
+        "--save-every",
+        "2",
+        device="cuda",
+        env={"CUDA_VISIBLE_DEVICES": "0,1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     step2 = os.path.join(out, "checkpoints", "step-2")
-    proc = torchrun(1, out, "--max-steps", "4", "--resume", step2, device="cuda", env={"CUDA_VISIBLE_DEVICES": "1"})
+    proc = torchrun(
+        1,
+        out,
+        "--max-steps",
+        "4",
+        "--resume",
+        step2,
+        device="cuda",
+        env={"CUDA_VISIBLE_DEVICES": "1"},
+    )
     assert proc.returncode == 0 and "resumed from" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_a_save_that_fails_partway_leaves_the_previous_checkpoint_latest(tmp_path, monkeypatch):
     import checkpoint
+
     real, saves = checkpoint.dcp.save, []
 
     def failing_save(state, checkpoint_id):
         saves.append(checkpoint_id)
-        real(state, checkpoint_id=checkpoint_id)  # shards on disk, but no trainer state, rename or pointer
+        real(
+            state, checkpoint_id=checkpoint_id
+        )  # shards on disk, but no trainer state, rename or pointer
         if len(saves) == 2:
             raise OSError("disk full")
+
     monkeypatch.setattr(checkpoint.dcp, "save", failing_save)
     with pytest.raises(OSError, match="disk full"):
         run(tmp_path, "run", "--max-steps", "6", "--save-every", "2")
@@ -1423,38 +2143,101 @@ def test_a_save_that_fails_partway_leaves_the_previous_checkpoint_latest(tmp_pat
     monkeypatch.setattr(checkpoint.dcp, "save", real)
     out = run(tmp_path, "run", "--max-steps", "6", "--save-every", "2", "--resume", "latest")
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
-    assert sorted(os.listdir(ckpts)) == ["latest", "step-2", "step-4", "step-6"]  # the stale .tmp is gone
+    assert sorted(os.listdir(ckpts)) == [
+        "latest",
+        "step-2",
+        "step-4",
+        "step-6",
+    ]  # the stale .tmp is gone
 
 
 def test_resume_refuses_a_different_run_and_exports_in_the_chosen_dtype(tmp_path, capsys):
     data = tmp_path / "prefs.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in demo_pairs("train")[:64]))
-    out = run(tmp_path, "run", "--data", str(data), "--max-steps", "2", "--save-every", "2",
-              "--export-dtype", "bfloat16")
+    out = run(
+        tmp_path,
+        "run",
+        "--data",
+        str(data),
+        "--max-steps",
+        "2",
+        "--save-every",
+        "2",
+        "--export-dtype",
+        "bfloat16",
+    )
     from transformers import AutoModelForCausalLM
-    assert {v.dtype for v in load_safetensors(os.path.join(out, "final")).values()} == {torch.bfloat16}
+
+    assert {v.dtype for v in load_safetensors(os.path.join(out, "final")).values()} == {
+        torch.bfloat16
+    }
     assert AutoModelForCausalLM.from_pretrained(os.path.join(out, "final")).dtype == torch.bfloat16
     capsys.readouterr()
-    for args, message in ((["--batch-size", "8"], "--batch-size is 8 but the checkpoint was trained with 16"),
-                          (["--beta", "0.5"], "--beta is 0.5 but the checkpoint was trained with 0.1"),
-                          # another batch order for the rest of the epoch would repeat some pairs and skip others
-                          (["--no-group-by-length"],
-                           "--group-by-length is False but the checkpoint was trained with True"),
-                          (["--data", "demo"], "--data is ['demo'] but the checkpoint was trained with")):
+    for args, message in (
+        (["--batch-size", "8"], "--batch-size is 8 but the checkpoint was trained with 16"),
+        (["--beta", "0.5"], "--beta is 0.5 but the checkpoint was trained with 0.1"),
+        # another batch order for the rest of the epoch would repeat some pairs and skip others
+        (
+            ["--no-group-by-length"],
+            "--group-by-length is False but the checkpoint was trained with True",
+        ),
+        (["--data", "demo"], "--data is ['demo'] but the checkpoint was trained with"),
+    ):
         with pytest.raises(SystemExit) as exit_info:
-            data_args = [] if "--data" in args else ["--data", str(data)]  # a repeated --data appends
-            train_dpo.main(["--out-dir", out, "--cache-dir", CACHE, "--batch-size", "16", *ON_CPU, *data_args,
-                            "--resume", "latest", *args])
+            data_args = (
+                [] if "--data" in args else ["--data", str(data)]
+            )  # a repeated --data appends
+            train_dpo.main(
+                [
+                    "--out-dir",
+                    out,
+                    "--cache-dir",
+                    CACHE,
+                    "--batch-size",
+                    "16",
+                    *ON_CPU,
+                    *data_args,
+                    "--resume",
+                    "latest",
+                    *args,
+                ]
+            )
         err = capsys.readouterr().err.strip()
         assert exit_info.value.code == 2 and message in err and "\n" not in err, err
-    data.write_text("".join(json.dumps(p) + "\n" for p in demo_pairs("train")[1:65]))  # same path, new content
+    data.write_text(
+        "".join(json.dumps(p) + "\n" for p in demo_pairs("train")[1:65])
+    )  # same path, new content
     with pytest.raises(SystemExit):
-        train_dpo.main(["--out-dir", out, "--cache-dir", CACHE, "--batch-size", "16", "--data", str(data), "--resume",
-                        "latest", *ON_CPU])
+        train_dpo.main(
+            [
+                "--out-dir",
+                out,
+                "--cache-dir",
+                CACHE,
+                "--batch-size",
+                "16",
+                "--data",
+                str(data),
+                "--resume",
+                "latest",
+                *ON_CPU,
+            ]
+        )
     assert "the tokenized --data (its content, cut by this code) is" in capsys.readouterr().err
     # Settings that may change on resume: here the length of the run and the precision.
     data.write_text("".join(json.dumps(p) + "\n" for p in demo_pairs("train")[:64]))
-    run(tmp_path, "run", "--data", str(data), "--max-steps", "3", "--precision", "bf16", "--resume", "latest")
+    run(
+        tmp_path,
+        "run",
+        "--data",
+        str(data),
+        "--max-steps",
+        "3",
+        "--precision",
+        "bf16",
+        "--resume",
+        "latest",
+    )
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
 
 
@@ -1465,14 +2248,35 @@ def test_mfu_uses_the_device_peak_for_the_precision():
     assert device_peak_flops("Some Future GPU", "bf16") is None  # no guess: no mfu key
 
 
-# --ref precompute's runs: few pairs, as its pass reads them all; the two-rank run is two_ranks's "lora".
-REF_DATA = ("--data", write_jsonl(os.path.join(CACHE, "train-128.jsonl"), demo_pairs("train")[:128]),
-            "--eval-data", write_jsonl(os.path.join(CACHE, "eval-32.jsonl"), demo_pairs("eval")[:32]), *SIX)
+# --ref precompute's runs: few pairs, as its pass reads them all; the two-rank run is two_ranks's
+# "lora".
+REF_DATA = (
+    "--data",
+    write_jsonl(os.path.join(CACHE, "train-128.jsonl"), demo_pairs("train")[:128]),
+    "--eval-data",
+    write_jsonl(os.path.join(CACHE, "eval-32.jsonl"), demo_pairs("eval")[:32]),
+    *SIX,
+)
 REF_LORA = ("--lora-rank", "8", "--activation-checkpointing", "--ref", "precompute")
-# An evaluation of 37 held-out pairs (ranks get 19 and 18 + a dummy) with samples; two_ranks's "eval".
-EVAL_ARGS = ("--eval-data", write_jsonl(os.path.join(CACHE, "eval-37.jsonl"), demo_pairs("eval")[:37]),
-             "--max-steps", "2", "--micro-batch-size", "4", "--num-samples", "3", "--sample-temperature", "1.0",
-             "--sample-max-tokens", "8", "--eval-before", "--export-dtype", "bfloat16")
+# An evaluation of 37 held-out pairs (ranks get 19 and 18 + a dummy) with samples; two_ranks's
+# "eval".
+EVAL_ARGS = (
+    "--eval-data",
+    write_jsonl(os.path.join(CACHE, "eval-37.jsonl"), demo_pairs("eval")[:37]),
+    "--max-steps",
+    "2",
+    "--micro-batch-size",
+    "4",
+    "--num-samples",
+    "3",
+    "--sample-temperature",
+    "1.0",
+    "--sample-max-tokens",
+    "8",
+    "--eval-before",
+    "--export-dtype",
+    "bfloat16",
+)
 
 
 FAILING_WANDB = """
@@ -1483,25 +2287,61 @@ def init(**kwargs):
 
 @pytest.fixture(scope="module")
 def two_ranks(six_steps, tmp_path_factory):
-    """Six runs in one start of two ranks (torchrun_runs), each checked by its own test. "resumed": six_steps's
-    step-4 checkpoint resumed with micro-batches of 2 (4 a step and rank), tokenizing into an empty cache;
-    "offload": the same with --cpu-offload (and activation checkpointing), saving every step; "eval": EVAL_ARGS;
-    "lora": REF_DATA with REF_LORA, offloaded; "wandb": a W&B project whose wandb.init fails (FAILING_WANDB);
-    "objectives": OBJECTIVES. Returns ({name: out_dir}, stderr of all)."""
+    """Six runs in one start of two ranks (torchrun_runs), each checked by its own test. "resumed":
+    six_steps's step-4 checkpoint resumed with micro-batches of 2 (4 a step and rank), tokenizing
+    into an empty cache; "offload": the same with --cpu-offload (and activation checkpointing),
+    saving every step; "eval": EVAL_ARGS; "lora": REF_DATA with REF_LORA, offloaded; "wandb": a W&B
+    project whose wandb.init fails (FAILING_WANDB); "objectives": OBJECTIVES. Returns ({name:
+    out_dir}, stderr of all)."""
     folder = tmp_path_factory.mktemp("two-ranks")
-    outs = {name: folder / name for name in ("resumed", "offload", "eval", "lora", "wandb", "objectives")}
+    outs = {
+        name: folder / name
+        for name in ("resumed", "offload", "eval", "lora", "wandb", "objectives")
+    }
     resume = os.path.join(six_steps[0], "checkpoints", "step-4")
     (folder / "fake").mkdir()
     (folder / "fake" / "wandb.py").write_text(FAILING_WANDB)
-    proc = torchrun_runs(2, [
-        trainer_args(outs["resumed"], "--max-steps", "6", "--micro-batch-size", "2", "--resume", resume,
-                     "--cache-dir", str(folder / "cache")),
-        trainer_args(outs["offload"], "--max-steps", "6", "--micro-batch-size", "2", "--resume", resume,
-                     "--cpu-offload", "--activation-checkpointing", "--save-every", "1"),
-        trainer_args(outs["eval"], *EVAL_ARGS),
-        trainer_args(outs["lora"], *REF_DATA, *REF_LORA, "--cpu-offload", "--cache-dir", str(folder / "ref-cache")),
-        trainer_args(outs["wandb"], "--max-steps", "2", "--wandb-project", "p"),
-        trainer_args(outs["objectives"], *OBJECTIVES)], pythonpath=[str(folder / "fake")])
+    proc = torchrun_runs(
+        2,
+        [
+            trainer_args(
+                outs["resumed"],
+                "--max-steps",
+                "6",
+                "--micro-batch-size",
+                "2",
+                "--resume",
+                resume,
+                "--cache-dir",
+                str(folder / "cache"),
+            ),
+            trainer_args(
+                outs["offload"],
+                "--max-steps",
+                "6",
+                "--micro-batch-size",
+                "2",
+                "--resume",
+                resume,
+                "--cpu-offload",
+                "--activation-checkpointing",
+                "--save-every",
+                "1",
+            ),
+            trainer_args(outs["eval"], *EVAL_ARGS),
+            trainer_args(
+                outs["lora"],
+                *REF_DATA,
+                *REF_LORA,
+                "--cpu-offload",
+                "--cache-dir",
+                str(folder / "ref-cache"),
+            ),
+            trainer_args(outs["wandb"], "--max-steps", "2", "--wandb-project", "p"),
+            trainer_args(outs["objectives"], *OBJECTIVES),
+        ],
+        pythonpath=[str(folder / "fake")],
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in ("resumed", "offload", "eval", "lora", "objectives"):
         assert [r["error"] for r in run_records(outs[name], 2)] == [None, None], proc.stderr[-3000:]
@@ -1509,7 +2349,9 @@ def two_ranks(six_steps, tmp_path_factory):
 
 
 def test_two_ranks_match_one_with_every_objective_option_on(objectives_run, two_ranks):
-    _assert_same_run(objectives_run, str(two_ranks[0]["objectives"]), exact=False)  # the syncs change step 3 on
+    _assert_same_run(
+        objectives_run, str(two_ranks[0]["objectives"]), exact=False
+    )  # the syncs change step 3 on
 
 
 def test_a_failing_wandb_init_on_rank_0_stops_every_rank_at_once(two_ranks):
@@ -1519,42 +2361,85 @@ def test_a_failing_wandb_init_on_rank_0_stops_every_rank_at_once(two_ranks):
     assert not read_metrics(two_ranks[0]["wandb"])  # no step was trained
 
 
-def test_ref_precompute_matches_online_reference_and_is_cached_by_its_inputs(two_ranks, tmp_path, capsys):
+def test_ref_precompute_matches_online_reference_and_is_cached_by_its_inputs(
+    two_ranks, tmp_path, capsys
+):
     data, cache = REF_DATA, tmp_path / "cache"
     online = run(tmp_path, "online", *data)
     out = run(tmp_path, "pre", *data, "--ref", "precompute", "--cache-dir", str(cache))
     assert "reference log-probs: computed 160 pairs" in capsys.readouterr().err
-    # The same training as with a resident reference model, up to float rounding: the reference ran on other,
-    # differently padded batches. So not the same reward accuracy at step 1, where every margin is exactly 0
-    # online and +-1e-7 here, and weights within 1e-4 after 6 Adam steps of lr 1e-3 (updates of up to 6e-3).
-    _assert_same_run(online, out, exact=False, keys=[k for k in PAIR_METRICS if k != "rewards/accuracies"],
-                     weight_atol=1e-4)
+    # The same training as with a resident reference model, up to float rounding: the reference ran
+    # on other, differently padded batches. So not the same reward accuracy at step 1, where every
+    # margin is exactly 0 online and +-1e-7 here, and weights within 1e-4 after 6 Adam steps of lr
+    # 1e-3 (updates of up to 6e-3).
+    _assert_same_run(
+        online,
+        out,
+        exact=False,
+        keys=[k for k in PAIR_METRICS if k != "rewards/accuracies"],
+        weight_atol=1e-4,
+    )
     (name,) = [f for f in os.listdir(cache) if f.startswith("ref-")]
     table = load_safetensors_file(str(cache / name))
-    assert table["train"].shape == (128, 2) and table["eval"].shape == (32, 2) and table["train"].lt(0).all()
-    # Two ranks each fill their own rows; the sum over ranks puts every pair's values in place exactly once. The
-    # two ranks train LoRA (with activation checkpointing): its reference, the base model with the adapters off,
-    # is the same table.
+    assert (
+        table["train"].shape == (128, 2)
+        and table["eval"].shape == (32, 2)
+        and table["train"].lt(0).all()
+    )
+    # Two ranks each fill their own rows; the sum over ranks puts every pair's values in place
+    # exactly once. The two ranks train LoRA (with activation checkpointing): its reference, the
+    # base model with the adapters off, is the same table.
     two = two_ranks[0]["lora"]
     for split, values in load_safetensors_file(str(two.parent / "ref-cache" / name)).items():
         torch.testing.assert_close(values, table[split], rtol=1e-5, atol=1e-5)
-    # Reused by another run with the same inputs (LoRA too), and recomputed when an input changes: the length limit.
+    # Reused by another run with the same inputs (LoRA too), and recomputed when an input changes:
+    # the length limit.
     one = run(tmp_path, "again", *data, *REF_LORA, "--cache-dir", str(cache))
     assert f"{name} (cached)" in capsys.readouterr().err
     for x, y in zip(read_metrics(one), read_metrics(two), strict=True):  # LoRA: 1 rank and 2 agree
-        assert {k: x[k] for k in PAIR_METRICS} == pytest.approx({k: y[k] for k in PAIR_METRICS}, rel=1e-4, abs=1e-6)
+        assert {k: x[k] for k in PAIR_METRICS} == pytest.approx(
+            {k: y[k] for k in PAIR_METRICS}, rel=1e-4, abs=1e-6
+        )
     adapters_one, adapters_two = _adapters(one), _adapters(two)
     assert adapters_one.keys() == adapters_two.keys() and len(adapters_one) == 4 * 7 * 2
     for k in adapters_one:
         torch.testing.assert_close(adapters_two[k], adapters_one[k], rtol=0, atol=1e-5)
-    run(tmp_path, "short", *data, "--ref", "precompute", "--cache-dir", str(cache), "--max-length", "40",
-        "--max-prompt-length", "20", "--max-steps", "1")
+    run(
+        tmp_path,
+        "short",
+        *data,
+        "--ref",
+        "precompute",
+        "--cache-dir",
+        str(cache),
+        "--max-length",
+        "40",
+        "--max-prompt-length",
+        "20",
+        "--max-steps",
+        "1",
+    )
     assert "reference log-probs: computed" in capsys.readouterr().err
     assert len([f for f in os.listdir(cache) if f.startswith("ref-")]) == 2
-    # LD-DPO's sums are another table, of the same sums as the policy's: at step 1 (policy = reference) the
-    # log-ratios are 0 and the loss ln 2, which a table of plain sums would not give.
-    ld = run(tmp_path, "ld", *data, "--ref", "precompute", "--cache-dir", str(cache), "--max-length", "40",
-             "--max-prompt-length", "20", "--max-steps", "1", "--ld-alpha", "0.3")  # as "short", but LD-DPO's
+    # LD-DPO's sums are another table, of the same sums as the policy's: at step 1 (policy =
+    # reference) the log-ratios are 0 and the loss ln 2, which a table of plain sums would not give.
+    ld = run(
+        tmp_path,
+        "ld",
+        *data,
+        "--ref",
+        "precompute",
+        "--cache-dir",
+        str(cache),
+        "--max-length",
+        "40",
+        "--max-prompt-length",
+        "20",
+        "--max-steps",
+        "1",
+        "--ld-alpha",
+        "0.3",
+    )  # as "short", but LD-DPO's
     assert "reference log-probs: computed" in capsys.readouterr().err
     assert len([f for f in os.listdir(cache) if f.startswith("ref-")]) == 3
     assert read_metrics(ld)[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
@@ -1564,7 +2449,8 @@ PREEMPT = """
 import functools, os, signal, sys, time
 import torch
 import fsdp_setup, train_dpo
-train_dpo.init_distributed = functools.partial(fsdp_setup.init_distributed, timeout_s=10)  # collectives: 10 s
+# collectives time out after 10 s
+train_dpo.init_distributed = functools.partial(fsdp_setup.init_distributed, timeout_s=10)
 real_find, real_loss, calls = train_dpo.find_weights, train_dpo.pair_loss, [0]
 
 def find_weights(*args):  # rank 0's download takes longer than any collective may wait
@@ -1587,29 +2473,39 @@ except SystemExit as e:
 """
 
 
-def test_two_ranks_match_one_then_a_preempted_step_is_saved_once_and_resumes_on_one_rank(six_steps, tmp_path):
-    # Two ranks of 8 pairs each (no accumulation), while rank 0 takes 12 s to load the model and collectives time
-    # out after 10 s: rank 1 must wait for it on the store (fsdp_setup.on_rank0), not in a collective.
+def test_two_ranks_match_one_then_a_preempted_step_is_saved_once_and_resumes_on_one_rank(
+    six_steps, tmp_path
+):
+    # Two ranks of 8 pairs each (no accumulation), while rank 0 takes 12 s to load the model and
+    # collectives time out after 10 s: rank 1 must wait for it on the store (fsdp_setup.on_rank0),
+    # not in a collective.
     script = tmp_path / "preempt.py"
     script.write_text(PREEMPT)
     out = tmp_path / "run"
     proc = torchrun(2, str(out), *SIX, script=script)
-    assert proc.returncode != 0 and "stopped by a signal after step 3" in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode != 0 and "stopped by a signal after step 3" in proc.stderr, proc.stderr[
+        -3000:
+    ]
     assert (out / "checkpoints" / "latest").read_text() == "step-3" and not (out / "final").exists()
     assert json.load(open(out / "checkpoints" / "step-3" / "trainer_state.json"))["world_size"] == 2
     assert [r["step"] for r in read_metrics(str(out))] == [1, 2, 3]
     run(tmp_path, "run", *SIX, "--resume", "latest")  # DCP reshards 2 ranks -> 1
-    # Steps 1-3 on two ranks, 4-6 on one: the uninterrupted 1-rank run's metrics, tensor names and weights.
+    # Steps 1-3 on two ranks, 4-6 on one: the uninterrupted 1-rank run's metrics, tensor names and
+    # weights.
     _assert_same_run(six_steps[0], str(out), exact=False)
 
 
 def test_one_rank_checkpoint_resumes_on_two_ranks_accumulating_micro_batches(six_steps, two_ranks):
     full, two = six_steps[0], two_ranks[0]["resumed"]
-    err = two_ranks[1].split(f"saved {two / 'final'}")[0]  # this run's lines: the first of the start
+    err = two_ranks[1].split(f"saved {two / 'final'}")[
+        0
+    ]  # this run's lines: the first of the start
     assert "resumed from" in err and "at step 4 (saved on 1 ranks" in err
     for x, y in zip(read_metrics(full)[4:], read_metrics(str(two)), strict=True):
         assert x["step"] == y["step"]
-        assert {k: x[k] for k in PAIR_METRICS} == pytest.approx({k: y[k] for k in PAIR_METRICS}, rel=1e-4, abs=1e-6)
+        assert {k: x[k] for k in PAIR_METRICS} == pytest.approx(
+            {k: y[k] for k in PAIR_METRICS}, rel=1e-4, abs=1e-6
+        )
     wa, wb = load_safetensors(os.path.join(full, "final")), load_safetensors(str(two / "final"))
     assert set(wa) == set(wb) == _hf_export_names()
     for k in wa:
@@ -1618,49 +2514,71 @@ def test_one_rank_checkpoint_resumes_on_two_ranks_accumulating_micro_batches(six
 
 def test_cpu_offload_trains_resumes_and_exports_as_without_it(six_steps, two_ranks, tmp_path):
     from torch.distributed.fsdp import FSDPModule
+
     with world_of_one():  # the trainer's build: every shard offloaded, unpinned on a CPU
         model, _, _ = sharded_tiny(seed=0, cpu_offload=True)
-        groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+        groups = [
+            m._get_fsdp_state()._fsdp_param_group
+            for m in model.modules()
+            if isinstance(m, FSDPModule)
+        ]
         params = [p for group in groups if group for p in group.fsdp_params]
         assert params and all(p.offload_to_cpu and not p.pin_memory for p in params)
     plain, offload = two_ranks[0]["resumed"], two_ranks[0]["offload"]
     for x, y in zip(read_metrics(plain), read_metrics(offload), strict=True):
         assert x["step"] == y["step"] and x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-7)
     wa, wb = load_safetensors(str(plain / "final")), load_safetensors(str(offload / "final"))
-    assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], rtol=0, atol=1e-6) for k in wa)
-    # It resumed a checkpoint saved without it; its own, saved on two ranks, resumes without it on one rank, to
-    # the 1-rank run's end.
+    assert wa.keys() == wb.keys() and all(
+        torch.allclose(wa[k], wb[k], rtol=0, atol=1e-6) for k in wa
+    )
+    # It resumed a checkpoint saved without it; its own, saved on two ranks, resumes without it on
+    # one rank, to the 1-rank run's end.
     out = run(tmp_path, "again", *SIX, "--resume", str(offload / "checkpoints" / "step-5"))
     wc = load_safetensors(os.path.join(out, "final"))
-    assert all(torch.allclose(wc[k], v, rtol=0, atol=ADAM_ATOL) for k, v in load_safetensors(
-        os.path.join(six_steps[0], "final")).items())
+    assert all(
+        torch.allclose(wc[k], v, rtol=0, atol=ADAM_ATOL)
+        for k, v in load_safetensors(os.path.join(six_steps[0], "final")).items()
+    )
 
 
 def test_two_ranks_tokenize_once_on_rank_0_and_share_the_cache(two_ranks, tmp_path, monkeypatch):
     two = two_ranks[0]["resumed"]
     cache, calls = two.parent / "cache", [r["tokenize_calls"] for r in run_records(two, 2)]
-    assert calls == [2, 0]  # rank 0 tokenized train and eval; rank 1 read its cache (and trained like one rank)
+    assert calls == [
+        2,
+        0,
+    ]  # rank 0 tokenized train and eval; rank 1 read its cache (and trained like one rank)
     assert len([f for f in os.listdir(cache) if f.startswith("tokens-")]) == 1
     real, again = data.tokenize_pairs, []
 
     def tokenize_pairs(*args, **kwargs):
         again.append(1)
         return real(*args, **kwargs)
+
     monkeypatch.setattr(data, "tokenize_pairs", tokenize_pairs)
     run(tmp_path, "again", "--max-steps", "1", "--cache-dir", str(cache))
     assert again == []  # a later run finds the cache and tokenizes nothing
 
 
 def test_sigusr1_from_outside_saves_the_finished_step_and_exits_promptly(tmp_path):
-    # SIGUSR1 (SLURM's warning before the time limit) as SIGTERM (the preempted two-rank test sends that one)
+    # SIGUSR1 (SLURM's warning before the time limit) as SIGTERM (the preempted two-rank test sends
+    # that one)
     out = tmp_path / "run"
-    cmd = [sys.executable, os.path.join(HERE, "train_dpo.py"),
-           *trainer_args(out, "--max-steps", "200", "--async-save")]  # the stop waits for the write
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=SUBPROCESS_ENV)
+    cmd = [
+        sys.executable,
+        os.path.join(HERE, "train_dpo.py"),
+        *trainer_args(out, "--max-steps", "200", "--async-save"),
+    ]  # the stop waits for the write
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=SUBPROCESS_ENV
+    )
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 120
     # until the two data rows and steps 1-2 are logged
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 4) and time.monotonic() < deadline:
+    while (
+        not (metrics.exists() and metrics.read_text().count("\n") >= 4)
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.02)
     sent = time.monotonic()
     proc.send_signal(signal.SIGUSR1)
@@ -1668,8 +2586,12 @@ def test_sigusr1_from_outside_saves_the_finished_step_and_exits_promptly(tmp_pat
     assert time.monotonic() - sent < 60 and proc.returncode == 128 + signal.SIGUSR1, err
     last = read_metrics(str(out))[-1]["step"]
     assert (out / "checkpoints" / "latest").read_text() == f"step-{last}" and 2 <= last < 200
-    run(tmp_path, "run", "--max-steps", str(last + 1), "--resume", "latest")  # a shorter run: allowed
-    assert [r["step"] for r in read_metrics(str(out))] == list(range(1, last + 2))  # no step lost or repeated
+    run(
+        tmp_path, "run", "--max-steps", str(last + 1), "--resume", "latest"
+    )  # a shorter run: allowed
+    assert [r["step"] for r in read_metrics(str(out))] == list(
+        range(1, last + 2)
+    )  # no step lost or repeated
 
 
 KILL_MID_SAVE = """
@@ -1678,7 +2600,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 import train_dpo
 real = FileSystemWriter.write_data
 
-def write_data(self, plan, planner):  # step 4's shards reach the disk, then the process dies mid-save
+# step 4's shards reach the disk, then the process dies mid-save
+def write_data(self, plan, planner):
     written = real(self, plan, planner)
     if "step-4" in str(self.path):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -1692,13 +2615,20 @@ train_dpo.main(sys.argv[1:])
 def test_a_run_killed_during_an_async_save_resumes_from_the_last_complete_one(six_steps, tmp_path):
     script, out = tmp_path / "kill.py", tmp_path / "run"
     script.write_text(KILL_MID_SAVE)
-    cmd = [sys.executable, str(script), *trainer_args(out, *SIX, "--save-every", "2", "--async-save")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=SUBPROCESS_ENV, check=False)
+    cmd = [
+        sys.executable,
+        str(script),
+        *trainer_args(out, *SIX, "--save-every", "2", "--async-save"),
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env=SUBPROCESS_ENV, check=False
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     saved = out / "checkpoints"
     assert (saved / "latest").read_text() == "step-2" and (saved / "step-4.tmp").is_dir()
     assert sorted(os.listdir(saved)) == ["latest", "step-2", "step-4.tmp"]
-    # Step 2 was written while steps 3 and 4 trained: from it, the run ends exactly as the uninterrupted one.
+    # Step 2 was written while steps 3 and 4 trained: from it, the run ends exactly as the
+    # uninterrupted one.
     run(tmp_path, "run", *SIX, "--save-every", "2", "--async-save", "--resume", "latest")
     _assert_same_run(six_steps[0], str(out))
     assert sorted(os.listdir(saved)) == ["latest", "step-2", "step-4", "step-6"]
@@ -1706,21 +2636,30 @@ def test_a_run_killed_during_an_async_save_resumes_from_the_last_complete_one(si
 
 def test_background_saves_work_in_one_process_group_after_another(tmp_path):
     import checkpoint
+
     for i in range(2):  # the write's own gloo group belongs to the process group it was made in
         with world_of_one():
             model, _, _ = sharded_tiny(seed=0)
             optimizer = torch.optim.AdamW(model.parameters())
-            checkpoint.save_checkpoint(str(tmp_path / str(i)), 1, model, optimizer, {"step": 1}, background=True)
+            checkpoint.save_checkpoint(
+                str(tmp_path / str(i)), 1, model, optimizer, {"step": 1}, background=True
+            )
             checkpoint.finish_checkpoint()
         assert (tmp_path / str(i) / "latest").read_text() == "step-1"
-        assert checkpoint.read_trainer_state(str(tmp_path / str(i) / "step-1")) == {"step": 1, "world_size": 1}
+        assert checkpoint.read_trainer_state(str(tmp_path / str(i) / "step-1")) == {
+            "step": 1,
+            "world_size": 1,
+        }
 
 
-def test_background_saves_reuse_the_staging_buffers_and_each_holds_its_own_step(tmp_path, monkeypatch):
-    """The GPU path's one stager (its pinning aside: no CUDA here): the second save copies into the first one's
-    host buffers, and neither checkpoint holds the other's weights."""
+def test_background_saves_reuse_the_staging_buffers_and_each_holds_its_own_step(
+    tmp_path, monkeypatch
+):
+    """The GPU path's one stager (its pinning aside: no CUDA here): the second save copies into the
+    first one's host buffers, and neither checkpoint holds the other's weights."""
     import checkpoint
     from torch.distributed.checkpoint import staging
+
     stager = staging.DefaultStager(staging.StagingOptions(False, False, False, False))
     monkeypatch.setitem(checkpoint._pending, "stager", stager)
     expected = []
@@ -1731,41 +2670,68 @@ def test_background_saves_reuse_the_staging_buffers_and_each_holds_its_own_step(
             model(input_ids=torch.tensor([[5, 6, 7]])).logits.sum().backward()
             optimizer.step()
             optimizer.zero_grad()
-            expected.append({k: v.clone() for k, v in full_state(model).items()})  # on CPU: views of the weights
-            checkpoint.save_checkpoint(str(tmp_path), step, model, optimizer, {"step": step}, background=True)
+            expected.append(
+                {k: v.clone() for k, v in full_state(model).items()}
+            )  # on CPU: views of the weights
+            checkpoint.save_checkpoint(
+                str(tmp_path), step, model, optimizer, {"step": step}, background=True
+            )
             if step == 1:
                 staged = {id(s) for s in stager._state_dict_stager._cached_storage_mapping.values()}
         checkpoint.finish_checkpoint()
         assert {id(s) for s in stager._state_dict_stager._cached_storage_mapping.values()} == staged
         for step in (1, 2):
             fresh, _, _ = sharded_tiny(seed=1)
-            checkpoint.load_checkpoint(str(tmp_path / f"step-{step}"), fresh, torch.optim.AdamW(fresh.parameters()))
+            checkpoint.load_checkpoint(
+                str(tmp_path / f"step-{step}"), fresh, torch.optim.AdamW(fresh.parameters())
+            )
             loaded = full_state(fresh)
             assert all(torch.equal(loaded[k], v) for k, v in expected[step - 1].items()), step
 
 
-def test_hsdp_two_replicas_of_two_shards_match_one_rank_and_resume_as_fsdp_on_four(six_steps, tmp_path, capsys):
+def test_hsdp_two_replicas_of_two_shards_match_one_rank_and_resume_as_fsdp_on_four(
+    six_steps, tmp_path, capsys
+):
     with pytest.raises(SystemExit) as exit_info:
         run(tmp_path, "one", "--replicas", "2")
-    assert exit_info.value.code == 2 and "--replicas 2 does not divide the 1 ranks" in capsys.readouterr().err
-    hsdp, fsdp, four = tmp_path / "hsdp", tmp_path / "fsdp", ("--max-steps", "6", "--micro-batch-size", "4")
-    proc = torchrun_runs(4, [trainer_args(hsdp, *four, "--replicas", "2", "--save-every", "4"),
-                             trainer_args(fsdp, *four, "--resume", str(hsdp / "checkpoints" / "step-4"))])  # 2x2 -> 4
+    assert (
+        exit_info.value.code == 2
+        and "--replicas 2 does not divide the 1 ranks" in capsys.readouterr().err
+    )
+    hsdp, fsdp, four = (
+        tmp_path / "hsdp",
+        tmp_path / "fsdp",
+        ("--max-steps", "6", "--micro-batch-size", "4"),
+    )
+    proc = torchrun_runs(
+        4,
+        [
+            trainer_args(hsdp, *four, "--replicas", "2", "--save-every", "4"),
+            trainer_args(fsdp, *four, "--resume", str(hsdp / "checkpoints" / "step-4")),
+        ],
+    )  # 2x2 -> 4
     assert proc.returncode == 0, proc.stderr[-3000:]
     hsdp_err, fsdp_err = proc.stderr.split(f"saved {hsdp / 'final'}")
     assert "4 rank(s) as 2 replicas x 2 shards (HSDP)" in hsdp_err  # the policy's mesh, as built
     _assert_same_run(six_steps[0], str(hsdp), exact=False, weight_atol=1e-5)  # weights within 1e-5
-    assert "4 rank(s) on cpu" in fsdp_err and f"resumed from {hsdp / 'checkpoints' / 'step-4'} at step 4" in fsdp_err
+    assert (
+        "4 rank(s) on cpu" in fsdp_err
+        and f"resumed from {hsdp / 'checkpoints' / 'step-4'} at step 4" in fsdp_err
+    )
     assert "not restored" not in fsdp_err  # same world: RNG too
     for x, y in zip(read_metrics(six_steps[0])[4:], read_metrics(str(fsdp)), strict=True):
         assert x["step"] == y["step"] and x["loss"] == pytest.approx(y["loss"], rel=1e-4)
-    wa, wb = load_safetensors(os.path.join(six_steps[0], "final")), load_safetensors(str(fsdp / "final"))
+    wa, wb = (
+        load_safetensors(os.path.join(six_steps[0], "final")),
+        load_safetensors(str(fsdp / "final")),
+    )
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=ADAM_ATOL)
 
 
 def _hf_export_names():
-    """The tensor names Hugging Face's own save_pretrained writes for the tiny model (tied: no lm_head.weight)."""
+    """The tensor names Hugging Face's own save_pretrained writes for the tiny model (tied: no
+    lm_head.weight)."""
     model, _ = tiny(seed=0)
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder)
@@ -1774,10 +2740,18 @@ def _hf_export_names():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda_bf16)])
 def test_bf16_training_matches_the_fp32_cpu_run_within_bf16_tolerance(tmp_path, device):
-    six = ("--max-steps", "6", "--batch-size", "4")  # few pairs: a CPU without native bf16 emulates it
-    oracle, bf16 = run(tmp_path, "fp32", *six), run(tmp_path, "bf16", *six, "--precision", "bf16", device=device)
-    # Tolerances are 10x the differences seen on CPU (bf16 rounds to 8 bits of mantissa; FSDP2 keeps float32
-    # masters, gradients and optimizer state, and loss.py computes in float32).
+    six = (
+        "--max-steps",
+        "6",
+        "--batch-size",
+        "4",
+    )  # few pairs: a CPU without native bf16 emulates it
+    oracle, bf16 = (
+        run(tmp_path, "fp32", *six),
+        run(tmp_path, "bf16", *six, "--precision", "bf16", device=device),
+    )
+    # Tolerances are 10x the differences seen on CPU (bf16 rounds to 8 bits of mantissa; FSDP2 keeps
+    # float32 masters, gradients and optimizer state, and loss.py computes in float32).
     for split in ("train", "eval"):
         for a, b in zip(read_metrics(oracle, split), read_metrics(bf16, split), strict=True):
             assert a["step"] == b["step"] and b["loss"] == pytest.approx(a["loss"], abs=1e-2)
@@ -1785,8 +2759,13 @@ def test_bf16_training_matches_the_fp32_cpu_run_within_bf16_tolerance(tmp_path, 
             for key in ("logps/chosen", "logps/rejected"):
                 assert b[key] == pytest.approx(a[key], rel=2e-3)
             assert split == "eval" or b["grad_norm"] == pytest.approx(a["grad_norm"], rel=3e-2)
-    wa, wb = load_safetensors(os.path.join(oracle, "final")), load_safetensors(os.path.join(bf16, "final"))
-    assert wa.keys() == wb.keys() and all(wb[k].dtype == torch.float32 for k in wb)  # the float32 masters
+    wa, wb = (
+        load_safetensors(os.path.join(oracle, "final")),
+        load_safetensors(os.path.join(bf16, "final")),
+    )
+    assert wa.keys() == wb.keys() and all(
+        wb[k].dtype == torch.float32 for k in wb
+    )  # the float32 masters
     difference = sum((wa[k] - wb[k]).norm() ** 2 for k in wa) ** 0.5
     assert difference / sum(wa[k].norm() ** 2 for k in wa) ** 0.5 < 1e-2
 
@@ -1795,8 +2774,8 @@ def test_bf16_training_matches_the_fp32_cpu_run_within_bf16_tolerance(tmp_path, 
 def test_torchrun_with_nccl_matches_the_one_rank_cpu_run(six_steps, tmp_path):
     proc = torchrun(min(GPUS, 2), str(tmp_path / "gpu"), *SIX, "--precision", "fp32", device="cuda")
     assert proc.returncode == 0 and "nccl" in proc.stderr, proc.stderr[-3000:]
-    # float32 on both, but other kernels sum in other orders: metrics within 1e-4, weights within ten times
-    # the rounding allowance of two CPU runs.
+    # float32 on both, but other kernels sum in other orders: metrics within 1e-4, weights within
+    # ten times the rounding allowance of two CPU runs.
     _assert_same_run(six_steps[0], str(tmp_path / "gpu"), exact=False, weight_atol=10 * ADAM_ATOL)
 
 
@@ -1804,13 +2783,17 @@ INJECT = """
 import json, os, sys
 import torch
 import train_dpo
-rank, world, record, unscale = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), [], torch.amp.GradScaler.unscale_
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+record, unscale = [], torch.amp.GradScaler.unscale_
 
 def unscale_(self, optimizer):
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    record.append({"scale": self.get_scale(), "checksum": sum(p.to_local().double().sum().item() for p in params)})
-    if len(record) == 3 and rank == world - 1:  # an overflow in the last rank's gradient shard only, at step 3
-        next(p.grad for p in params if p.grad.to_local().numel()).to_local().view(-1)[0] = float("inf")
+    checksum = sum(p.to_local().double().sum().item() for p in params)
+    record.append({"scale": self.get_scale(), "checksum": checksum})
+    # an overflow in the last rank's gradient shard only, at step 3
+    if len(record) == 3 and rank == world - 1:
+        grad = next(p.grad for p in params if p.grad.to_local().numel())
+        grad.to_local().view(-1)[0] = float("inf")
     return unscale(self, optimizer)
 
 torch.amp.GradScaler.unscale_ = unscale_
@@ -1823,13 +2806,26 @@ train_dpo.exit_without_shutdown(0)
 """
 
 
-@pytest.mark.parametrize("device, ranks", [("cpu", 2), pytest.param("cuda", min(GPUS, 2), marks=needs_cuda)])
+@pytest.mark.parametrize(
+    "device, ranks", [("cpu", 2), pytest.param("cuda", min(GPUS, 2), marks=needs_cuda)]
+)
 def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, device, ranks):
     script = tmp_path / "inject.py"
     script.write_text(INJECT)
     out = tmp_path / "fp16"
-    proc = torchrun(ranks, str(out), "--batch-size", "4", "--max-steps", "4", "--precision", "fp16", script=script,
-                    device=device, env={"RECORD_DIR": str(tmp_path)})
+    proc = torchrun(
+        ranks,
+        str(out),
+        "--batch-size",
+        "4",
+        "--max-steps",
+        "4",
+        "--precision",
+        "fp16",
+        script=script,
+        device=device,
+        env={"RECORD_DIR": str(tmp_path)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"on {device}" in proc.stderr and ("nccl" in proc.stderr) == (device == "cuda")
     records = [json.load(open(tmp_path / f"record-{r}.json")) for r in range(ranks)]
@@ -1837,16 +2833,21 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, device
     # (fp16 from the default 2**16 scale overflows naturally at step 1; step 2 is a normal step.)
     assert [r["skipped"] for r in rows][1:] == [False, True, False]
     scales = [r["scale"] for r in records[0]]
-    assert all([r["scale"] for r in record] == scales for record in records)  # every rank backs off, at once
+    assert all(
+        [r["scale"] for r in record] == scales for record in records
+    )  # every rank backs off, at once
     assert scales[3] == scales[2] / 2 and rows[2]["loss_scale"] == scales[2] / 2
     for record in records:
-        assert record[1]["checksum"] != record[2]["checksum"]  # step 2 updated this rank's shard ...
+        assert (
+            record[1]["checksum"] != record[2]["checksum"]
+        )  # step 2 updated this rank's shard ...
         assert record[2]["checksum"] == record[3]["checksum"]  # ... step 3 did not, on either rank
     assert "step 3: non-finite loss or gradient norm, step skipped on every rank" in proc.stderr
 
 
 def _poison(monkeypatch, bad_calls):
-    """Make the trainer's forward return NaN losses on the given (1-based) training forward calls."""
+    """Make the trainer's forward return NaN losses on the given (1-based) training forward
+    calls."""
     real, calls = train_dpo.pair_loss, [0]
 
     def pair_loss(*args, **kwargs):
@@ -1856,6 +2857,7 @@ def _poison(monkeypatch, bad_calls):
             if calls[0] in bad_calls:
                 out["losses"] = out["losses"] * float("nan")
         return out
+
     monkeypatch.setattr(train_dpo, "pair_loss", pair_loss)
 
 
@@ -1864,18 +2866,27 @@ def test_nan_loss_skips_the_step_and_repeated_nans_stop_the_run(tmp_path, monkey
     _poison(monkeypatch, bad_calls={2})
     poisoned = run(tmp_path, "poisoned", "--max-steps", "2")
     assert [r["skipped"] for r in read_metrics(poisoned)] == [False, True]
-    wa, wb = load_safetensors(os.path.join(one_step, "final")), load_safetensors(os.path.join(poisoned, "final"))
+    wa, wb = (
+        load_safetensors(os.path.join(one_step, "final")),
+        load_safetensors(os.path.join(poisoned, "final")),
+    )
     assert all(torch.equal(wa[k], wb[k]) for k in wa)  # the NaN step changed nothing
     _poison(monkeypatch, bad_calls=set(range(2, 100)))
     with pytest.raises(SystemExit) as exit_info:
         run(tmp_path, "stopped", "--max-steps", "10", "--max-skipped-steps", "3")
     assert exit_info.value.code == 1
-    assert "error: stopping at step 4: 3 consecutive steps since step 2 had a non-finite" in capsys.readouterr().err
+    assert (
+        "error: stopping at step 4: 3 consecutive steps since step 2 had a non-finite"
+        in capsys.readouterr().err
+    )
     assert not (tmp_path / "stopped" / "final").exists()
 
 
-def test_fp16_overflows_with_a_finite_loss_do_not_count_toward_max_skipped_steps(tmp_path, monkeypatch, capsys):
-    # From the default scale of 2**16 the first step overflows: the scaler finding its scale, not a broken run.
+def test_fp16_overflows_with_a_finite_loss_do_not_count_toward_max_skipped_steps(
+    tmp_path, monkeypatch, capsys
+):
+    # From the default scale of 2**16 the first step overflows: the scaler finding its scale, not a
+    # broken run.
     small = ("--precision", "fp16", "--batch-size", "4")  # emulated on a CPU: few pairs
     out = run(tmp_path, "fp16", *small, "--max-steps", "2", "--max-skipped-steps", "1")
     rows = read_metrics(out)
@@ -1886,14 +2897,27 @@ def test_fp16_overflows_with_a_finite_loss_do_not_count_toward_max_skipped_steps
     assert exit_info.value.code == 1 and "error: stopping at step 2" in capsys.readouterr().err
 
 
-# ---------------------------------------------------------------------------------------------- recipes, eval, samples
+# --------------------------------------------------------------------------- recipes, eval, samples
 def test_sft_stage_logs_hf_token_mean_nll_then_feeds_dpo(tmp_path):
-    out = run(tmp_path, "sft", "--loss", "sft", "--max-steps", "2", "--micro-batch-size", "4", "--num-samples", "2",
-              "--eval-before")
-    # Step 1's loss (before any update) is the HF model's own token-mean cross-entropy over the chosen rows of
-    # the first global batch, accumulated here over 4 micro-batches.
+    out = run(
+        tmp_path,
+        "sft",
+        "--loss",
+        "sft",
+        "--max-steps",
+        "2",
+        "--micro-batch-size",
+        "4",
+        "--num-samples",
+        "2",
+        "--eval-before",
+    )
+    # Step 1's loss (before any update) is the HF model's own token-mean cross-entropy over the
+    # chosen rows of the first global batch, accumulated here over 4 micro-batches.
     policy, tok = tiny(seed=0)
-    tokens, _, _ = prepare_data(DataConfig(data=(os.path.join(CACHE, "demo-train.jsonl"),)), tok, CACHE)  # the run's
+    tokens, _, _ = prepare_data(
+        DataConfig(data=(os.path.join(CACHE, "demo-train.jsonl"),)), tok, CACHE
+    )  # the run's
     first = build_batches(len(tokens), 16, seed=0, epoch=0, lengths=pair_lengths(tokens.lengths))[0]
     nll = count = 0.0
     with torch.no_grad():
@@ -1905,11 +2929,24 @@ def test_sft_stage_logs_hf_token_mean_nll_then_feeds_dpo(tmp_path):
             count += len(p["chosen"])
     (step1, _) = read_metrics(out)
     assert step1["loss"] == pytest.approx(nll / count, rel=1e-5)
-    assert "logps/chosen" in step1 and not {"rewards/accuracies", "logps/rejected"} & set(step1)  # not computed
+    assert "logps/chosen" in step1 and not {"rewards/accuracies", "logps/rejected"} & set(
+        step1
+    )  # not computed
     assert read_metrics(out, "eval")[-1]["loss"] < read_metrics(out, "eval")[0]["loss"]
-    # The classic pipeline: DPO starts from the SFT export (reference = that model, so the loss starts at ln 2).
-    dpo = run(tmp_path, "dpo", "--model", os.path.join(out, "final"), "--lr", "1e-4", "--max-steps", "1",
-              "--num-samples", "0")
+    # The classic pipeline: DPO starts from the SFT export (reference = that model, so the loss
+    # starts at ln 2).
+    dpo = run(
+        tmp_path,
+        "dpo",
+        "--model",
+        os.path.join(out, "final"),
+        "--lr",
+        "1e-4",
+        "--max-steps",
+        "1",
+        "--num-samples",
+        "0",
+    )
     assert read_metrics(dpo)[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert not os.path.exists(os.path.join(dpo, "samples.jsonl"))
 
@@ -1923,33 +2960,64 @@ def test_ipo_takes_mean_or_summed_log_ratios(ipo_logps):
     assert objective.averages("ipo") == (ipo_logps == "mean")  # mean, TRL's, is the default
     assert train_dpo.LossConfig(loss="ipo").ipo_logps == "mean"
     with torch.no_grad():
-        out = forward_pairs(policy.eval(), reference.eval(), collate_pairs(pairs, tok.pad_token_id), objective)
+        out = forward_pairs(
+            policy.eval(), reference.eval(), collate_pairs(pairs, tok.pad_token_id), objective
+        )
 
         def logp(model, pair, key):  # Hugging Face's own token-mean loss, one sequence at a time
             ids, labels = pair["prompt"] + pair[key], [-100] * len(pair["prompt"]) + pair[key]
             mean = -model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels])).loss.item()
             return mean if ipo_logps == "mean" else mean * len(pair[key])
-        expected = [((logp(policy, p, "chosen") - logp(reference, p, "chosen"))
-                     - (logp(policy, p, "rejected") - logp(reference, p, "rejected")) - 1 / (2 * 0.5)) ** 2
-                    for p in pairs]
+
+        expected = [
+            (
+                (logp(policy, p, "chosen") - logp(reference, p, "chosen"))
+                - (logp(policy, p, "rejected") - logp(reference, p, "rejected"))
+                - 1 / (2 * 0.5)
+            )
+            ** 2
+            for p in pairs
+        ]
     assert out["losses"].tolist() == pytest.approx(expected, rel=1e-4)
 
 
 def test_dropout_is_off_unless_asked_so_the_first_step_has_zero_rewards(tmp_path):
     import transformers
+
     _, tok = tiny(seed=0)  # GPT-2's config has dropout: 0.1 on embeddings, attention and residuals
-    config = transformers.GPT2Config(vocab_size=len(tok), n_positions=128, n_embd=64, n_layer=2, n_head=2,
-                                     eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
-                                     pad_token_id=tok.pad_token_id)
+    config = transformers.GPT2Config(
+        vocab_size=len(tok),
+        n_positions=128,
+        n_embd=64,
+        n_layer=2,
+        n_head=2,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gpt2")
     tok.save_pretrained(tmp_path / "gpt2")
-    args = ("--model", str(tmp_path / "gpt2"), "--max-length", "128", "--max-steps", "1", "--lr", "1e-4")
+    args = (
+        "--model",
+        str(tmp_path / "gpt2"),
+        "--max-length",
+        "128",
+        "--max-steps",
+        "1",
+        "--lr",
+        "1e-4",
+    )
     off = read_metrics(run(tmp_path, "off", *args))[0]
     on = read_metrics(run(tmp_path, "on", *args, "--dropout"))[0]
-    # Policy == reference at step 1: without dropout every log-ratio is exactly 0 and the loss is ln 2.
-    assert off["rewards/chosen"] == off["rewards/rejected"] == 0 and off["loss"] == pytest.approx(math.log(2), abs=1e-6)
-    assert on["rewards/chosen"] != 0 and on["rewards/rejected"] != 0  # dropout's noise, kept when asked for
+    # Policy == reference at step 1: without dropout every log-ratio is exactly 0 and the loss is ln
+    # 2.
+    assert off["rewards/chosen"] == off["rewards/rejected"] == 0 and off["loss"] == pytest.approx(
+        math.log(2), abs=1e-6
+    )
+    assert (
+        on["rewards/chosen"] != 0 and on["rewards/rejected"] != 0
+    )  # dropout's noise, kept when asked for
 
 
 def test_rpo_as_a_loss_mix_adds_the_weighted_chosen_nll():
@@ -1963,17 +3031,28 @@ def test_rpo_as_a_loss_mix_adds_the_weighted_chosen_nll():
             plain = forward_pairs(policy, reference, batch, train_dpo.LossConfig(loss=loss))
             mix = train_dpo.LossConfig(loss=(loss, "sft"), loss_weights=(1, 0.5))  # RPO
             rpo = forward_pairs(policy, reference, batch, mix, tokens_per_pair=per_pair)
-            hf = [policy(input_ids=torch.tensor([p["prompt"] + p["chosen"]]),
-                         labels=torch.tensor([[-100] * len(p["prompt"]) + p["chosen"]])).loss.item() * len(p["chosen"])
-                  for p in pairs]  # each pair's summed NLL
+            hf = [
+                policy(
+                    input_ids=torch.tensor([p["prompt"] + p["chosen"]]),
+                    labels=torch.tensor([[-100] * len(p["prompt"]) + p["chosen"]]),
+                ).loss.item()
+                * len(p["chosen"])
+                for p in pairs
+            ]  # each pair's summed NLL
             expected = [0.5 * x / per_pair for x in hf]
             assert (rpo["losses"] - plain["losses"]).tolist() == pytest.approx(expected, rel=1e-4)
         # SFT alone: the same NLL with weight 1, and only the 4 chosen rows go through the model.
         rows = []
-        hook = policy.model.embed_tokens.register_forward_hook(lambda module, args, out: rows.append(len(args[0])))
-        sft = forward_pairs(policy, None, batch, train_dpo.LossConfig(loss="sft"), tokens_per_pair=per_pair)
+        hook = policy.model.embed_tokens.register_forward_hook(
+            lambda module, args, out: rows.append(len(args[0]))
+        )
+        sft = forward_pairs(
+            policy, None, batch, train_dpo.LossConfig(loss="sft"), tokens_per_pair=per_pair
+        )
         hook.remove()
-        assert rows == [4] and sft["losses"].tolist() == pytest.approx([x / per_pair for x in hf], rel=1e-4)
+        assert rows == [4] and sft["losses"].tolist() == pytest.approx(
+            [x / per_pair for x in hf], rel=1e-4
+        )
     with pytest.raises(ValueError, match="--loss-weights: 1 weights for 2 --loss"):
         train_dpo.LossConfig(loss=("dpo", "sft"), loss_weights=(1.0,))
 
@@ -1981,42 +3060,83 @@ def test_rpo_as_a_loss_mix_adds_the_weighted_chosen_nll():
 def _f_prime_by_hand(u, kind, a):
     """TRL's f'(t) at t = exp(u) = pi / pi_ref, written on t (f-DPO, Wang et al. 2023, Table 1)."""
     t = math.exp(u)
-    return {"reverse_kl": u, "forward_kl": 1 - 1 / t, "js_divergence": math.log(2 * t / (1 + t)),
-            "alpha_divergence": (t ** (a - 1) - 1) / (a - 1)}[kind]
+    return {
+        "reverse_kl": u,
+        "forward_kl": 1 - 1 / t,
+        "js_divergence": math.log(2 * t / (1 + t)),
+        "alpha_divergence": (t ** (a - 1) - 1) / (a - 1),
+    }[kind]
 
 
 @pytest.mark.parametrize("kind", ["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"])
-def test_a_weighted_mix_under_an_f_divergence_with_wpo_weights_matches_hand_computed_values_and_gradients(kind):
-    # Three pairs, [chosen; rejected]: dpo on summed scores, ipo on per-token means and sft's NLL, weighted.
+def test_a_loss_mix_under_an_f_divergence_with_wpo_weights_matches_hand_values_and_gradients(
+    kind,
+):
+    # Three pairs, [chosen; rejected]: dpo on summed scores, ipo on per-token means and sft's NLL,
+    # weighted.
     pc, pr, rc, rr = [-5.0, -7.0, -3.0], [-6.0, -4.0, -9.0], [-5.5, -6.0, -3.2], [-5.0, -4.5, -8.0]
-    lengths, log_w, beta, a, per_pair = [4, 6, 2, 5, 3, 7], [-0.3, -0.1, -0.5, -0.2, -0.4, -0.6], 0.25, 0.3, 4.0
-    objective = train_dpo.LossConfig(loss=("dpo", "ipo", "sft"), loss_weights=(1.0, 0.5, 0.25), beta=beta,
-                                     f_divergence_type=kind, f_alpha_divergence_coef=a, use_weighting=True)
+    lengths, log_w, beta, a, per_pair = (
+        [4, 6, 2, 5, 3, 7],
+        [-0.3, -0.1, -0.5, -0.2, -0.4, -0.6],
+        0.25,
+        0.3,
+        4.0,
+    )
+    objective = train_dpo.LossConfig(
+        loss=("dpo", "ipo", "sft"),
+        loss_weights=(1.0, 0.5, 0.25),
+        beta=beta,
+        f_divergence_type=kind,
+        f_alpha_divergence_coef=a,
+        use_weighting=True,
+    )
     logps = torch.tensor(pc + pr, requires_grad=True)
-    out = pair_loss(logps, torch.tensor(rc + rr), torch.tensor(lengths), objective, per_pair, torch.tensor(log_w))
+    out = pair_loss(
+        logps,
+        torch.tensor(rc + rr),
+        torch.tensor(lengths),
+        objective,
+        per_pair,
+        torch.tensor(log_w),
+    )
 
     def by_hand(x, i):  # pair i's loss from its [pc, pr], in float64
         c, r = _f_prime_by_hand(x[0] - rc[i], kind, a), _f_prime_by_hand(x[1] - rr[i], kind, a)
         dpo = -_logsig(beta * (c - r))
         ipo = (c / lengths[i] - r / lengths[3 + i] - 1 / (2 * beta)) ** 2
         return (dpo + 0.5 * ipo + 0.25 * -x[0] / per_pair) * math.exp(log_w[i] + log_w[3 + i])
+
     out["losses"].sum().backward()
     for i in range(3):
         assert out["losses"][i].item() == pytest.approx(by_hand([pc[i], pr[i]], i), rel=1e-5)
         h = 1e-4  # central differences in float64 stand in for the hand gradient
-        grads = [(by_hand([pc[i] + h * (k == 0), pr[i] + h * (k == 1)], i)
-                  - by_hand([pc[i] - h * (k == 0), pr[i] - h * (k == 1)], i)) / (2 * h) for k in range(2)]
-        assert [logps.grad[i].item(), logps.grad[3 + i].item()] == pytest.approx(grads, rel=1e-3, abs=1e-5)
+        grads = [
+            (
+                by_hand([pc[i] + h * (k == 0), pr[i] + h * (k == 1)], i)
+                - by_hand([pc[i] - h * (k == 0), pr[i] - h * (k == 1)], i)
+            )
+            / (2 * h)
+            for k in range(2)
+        ]
+        assert [logps.grad[i].item(), logps.grad[3 + i].item()] == pytest.approx(
+            grads, rel=1e-3, abs=1e-5
+        )
         # Rewards: beta f' of the first preference loss's (summed) log-ratios; log-probs as given.
         for key, ratio in (("chosen_rewards", pc[i] - rc[i]), ("rejected_rewards", pr[i] - rr[i])):
-            assert out[key][i].item() == pytest.approx(beta * _f_prime_by_hand(ratio, kind, a), rel=1e-5, abs=1e-7)
+            assert out[key][i].item() == pytest.approx(
+                beta * _f_prime_by_hand(ratio, kind, a), rel=1e-5, abs=1e-7
+            )
         assert out["chosen_logps"][i].item() == pc[i] and out["rejected_logps"][i].item() == pr[i]
 
 
 @pytest.mark.parametrize("head", ["unfused", "fused"])
-def test_wpo_log_weights_and_ld_dpo_sums_match_a_naive_full_softmax_with_gradients(head, monkeypatch):
+def test_wpo_log_weights_and_ld_dpo_sums_match_a_naive_full_softmax_with_gradients(
+    head, monkeypatch
+):
     monkeypatch.setattr(loss, "FUSED_HEAD_ON_CPU", head == "fused")
-    monkeypatch.setattr(loss, "_chunk_rows", lambda *args, **kwargs: 7)  # chunk edges inside responses
+    monkeypatch.setattr(
+        loss, "_chunk_rows", lambda *args, **kwargs: 7
+    )  # chunk edges inside responses
     policy, tok = tiny(seed=5)
     pairs = tokenize(demo_pairs("train")[4:8], tok)
     batch = collate_pairs(pairs, tok.pad_token_id)
@@ -2030,7 +3150,9 @@ def test_wpo_log_weights_and_ld_dpo_sums_match_a_naive_full_softmax_with_gradien
     token = torch.log_softmax(policy(input_ids=batch.input_ids).logits.float(), -1)  # (2B, T, V)
     naive, expected_w = [], []
     for row in range(len(lengths)):
-        cols = (batch.labels[row, 1:] != -100).nonzero().squeeze(-1)  # logits at t score token t + 1
+        cols = (
+            (batch.labels[row, 1:] != -100).nonzero().squeeze(-1)
+        )  # logits at t score token t + 1
         picked = token[row, cols, batch.labels[row, cols + 1]]  # (length,)
         shared = min(lengths[row % 4], lengths[4 + row % 4])  # the pair's shorter response
         naive.append(picked[:shared].sum() + 0.3 * picked[shared:].sum())
@@ -2049,32 +3171,52 @@ def test_wpo_log_weights_and_ld_dpo_sums_match_a_naive_full_softmax_with_gradien
         assert torch.equal(response_logps(policy, batch, 1.0), response_logps(policy, batch))
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--loss", "aot", "--use-weighting"], "--use-weighting: aot and aot_pair sort pairs"),
-    (["--loss", "sft", "--ld-alpha", "0.5"], "they need a preference --loss"),
-    (["--loss", "dpo", "--loss", "sft", "--ld-alpha", "0.5"], "--ld-alpha must be in [0, 1] and goes without"),
-    (["--ld-alpha", "1.5"], "--ld-alpha must be in [0, 1]"),
-    (["--loss", "nca_pair", "--f-divergence-type", "forward_kl"], "--f-divergence-type forward_kl goes only with"),
-    (["--sync-ref-model", "--ref", "precompute"], "--sync-ref-model updates a reference model"),
-    (["--sync-ref-model", "--loss", "simpo"], "--sync-ref-model updates a reference model"),
-    (["--sync-ref-model", "--lora-rank", "8"], "--sync-ref-model: with --lora-rank the reference is the base"),
-    (["--sync-ref-model", "--ref-model-sync-steps", "0"], "--ref-model-sync-steps >= 1"),
-    (["--ref-model-mixup-alpha", "2"], "--ref-model-mixup-alpha must be in [0, 1]"),
-    (["--loss", "sft", "--use-weighting"], "they need a preference --loss"),
-    (["--loss", "dpo", "--loss", "sft", "--loss-weights", "1"], "--loss-weights: 1 weights for 2 --loss"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--loss", "aot", "--use-weighting"], "--use-weighting: aot and aot_pair sort pairs"),
+        (["--loss", "sft", "--ld-alpha", "0.5"], "they need a preference --loss"),
+        (
+            ["--loss", "dpo", "--loss", "sft", "--ld-alpha", "0.5"],
+            "--ld-alpha must be in [0, 1] and goes without",
+        ),
+        (["--ld-alpha", "1.5"], "--ld-alpha must be in [0, 1]"),
+        (
+            ["--loss", "nca_pair", "--f-divergence-type", "forward_kl"],
+            "--f-divergence-type forward_kl goes only with",
+        ),
+        (["--sync-ref-model", "--ref", "precompute"], "--sync-ref-model updates a reference model"),
+        (["--sync-ref-model", "--loss", "simpo"], "--sync-ref-model updates a reference model"),
+        (
+            ["--sync-ref-model", "--lora-rank", "8"],
+            "--sync-ref-model: with --lora-rank the reference is the base",
+        ),
+        (["--sync-ref-model", "--ref-model-sync-steps", "0"], "--ref-model-sync-steps >= 1"),
+        (["--ref-model-mixup-alpha", "2"], "--ref-model-mixup-alpha must be in [0, 1]"),
+        (["--loss", "sft", "--use-weighting"], "they need a preference --loss"),
+        (
+            ["--loss", "dpo", "--loss", "sft", "--loss-weights", "1"],
+            "--loss-weights: 1 weights for 2 --loss",
+        ),
+    ],
+)
 def test_invalid_objective_combinations_fail_with_one_line_and_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         train_dpo.main(argv)
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    assert (
+        e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err
+    ), err
 
 
 def test_generate_with_cache_and_left_padding_matches_naive_greedy():
     from samples import generate
+
     policy, tok = tiny(seed=4)
     prompts = [tok("Review the red lamp:")["input_ids"][:-1], tok("Hi")["input_ids"][:-1]]
-    got = generate(policy, prompts, max_new_tokens=12, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    got = generate(
+        policy, prompts, max_new_tokens=12, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id
+    )
     with torch.no_grad():
         for prompt, completion in zip(prompts, got):
             ids = list(prompt)
@@ -2083,9 +3225,13 @@ def test_generate_with_cache_and_left_padding_matches_naive_greedy():
                 if nxt == tok.eos_token_id:
                     break
                 ids.append(nxt)
-            assert completion == ids[len(prompt):]
-    again = generate(policy, prompts, 12, tok.eos_token_id, tok.pad_token_id, temperature=1.0, seed=7)
-    assert again == generate(policy, prompts, 12, tok.eos_token_id, tok.pad_token_id, temperature=1.0, seed=7)
+            assert completion == ids[len(prompt) :]
+    again = generate(
+        policy, prompts, 12, tok.eos_token_id, tok.pad_token_id, temperature=1.0, seed=7
+    )
+    assert again == generate(
+        policy, prompts, 12, tok.eos_token_id, tok.pad_token_id, temperature=1.0, seed=7
+    )
 
 
 LOCKSTEP = """
@@ -2096,7 +3242,8 @@ from samples import generate
 dist.init_process_group("gloo")
 rank, forwards = dist.get_rank(), [0]
 
-class Model(torch.nn.Module):  # a collective per forward, like FSDP2's all-gathers; rank 0 ends at once
+# a collective per forward, like FSDP2's all-gathers; rank 0 ends at once
+class Model(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.w = torch.nn.Parameter(torch.zeros(1))
@@ -2111,18 +3258,33 @@ out = generate(Model(), [[2, 2]], max_new_tokens=6, eos_id=1, pad_id=0)
 with open(os.path.join(sys.argv[2], f"rank{rank}.txt"), "w") as f:
     f.write(f"{forwards[0]} {out}")
 dist.destroy_process_group()
-os._exit(0)  # as train_dpo.exit_without_shutdown: no interpreter shutdown while gloo's threads let go
+# as train_dpo.exit_without_shutdown: no interpreter shutdown while gloo's threads let go
+os._exit(0)
 """
 
 
 def test_generation_keeps_ranks_in_lockstep_when_one_finishes_early(tmp_path):
     script = tmp_path / "lockstep.py"
     script.write_text(LOCKSTEP)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script), HERE, str(tmp_path)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(script),
+            HERE,
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # Both ranks ran 6 forwards (rank 0 kept stepping for rank 1, its EOS masked to padding), and nothing hung.
+    # Both ranks ran 6 forwards (rank 0 kept stepping for rank 1, its EOS masked to padding), and
+    # nothing hung.
     assert (tmp_path / "rank0.txt").read_text() == "6 [[]]"
     assert (tmp_path / "rank1.txt").read_text() == "6 [[3, 3, 3, 3, 3, 3]]"
 
@@ -2131,13 +3293,17 @@ def test_two_rank_eval_counts_each_pair_once_and_writes_the_same_samples(two_ran
     one, two, err = run(tmp_path, "one", *EVAL_ARGS), str(two_ranks[0]["eval"]), two_ranks[1]
     for out in (one, two):  # one export, whatever the world size, cast tensor by tensor
         exported = load_safetensors(os.path.join(out, "final"))
-        assert set(exported) == _hf_export_names() and {t.dtype for t in exported.values()} == {torch.bfloat16}
+        assert set(exported) == _hf_export_names() and {t.dtype for t in exported.values()} == {
+            torch.bfloat16
+        }
     for a, b in zip(read_metrics(one, "eval"), read_metrics(two, "eval"), strict=True):
         assert a["step"] == b["step"]
         for k in PAIR_METRICS:
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+
     def samples(out):
         return [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
+
     assert [s["step"] for s in samples(one)] == [0, 0, 0, 2, 2, 2]
     assert [s["prompt"] for s in samples(one)[:3]] == [p["prompt"] for p in demo_pairs("eval")[:3]]
     assert samples(one)[:3] == samples(two)[:3]  # same weights, same seeded draws
@@ -2146,10 +3312,25 @@ def test_two_rank_eval_counts_each_pair_once_and_writes_the_same_samples(two_ran
 
 def test_demo_reports_the_scorer_share_and_plots_the_curves(tmp_path, monkeypatch):
     monkeypatch.setattr(metrics, "plot_metrics", PLOT_METRICS)
-    out = run(tmp_path, "run", "--max-steps", "2", "--num-samples", "4", "--sample-max-tokens", "4", "--eval-before")
+    out = run(
+        tmp_path,
+        "run",
+        "--max-steps",
+        "2",
+        "--num-samples",
+        "4",
+        "--sample-max-tokens",
+        "4",
+        "--eval-before",
+    )
     rows = read_metrics(out, "eval")
-    assert [r["step"] for r in rows] == [0, 2] and all(0 <= r["samples/preferred"] <= 1 for r in rows)
-    scores = [score_completion(s["completion"]) for s in map(json.loads, open(os.path.join(out, "samples.jsonl")))]
+    assert [r["step"] for r in rows] == [0, 2] and all(
+        0 <= r["samples/preferred"] <= 1 for r in rows
+    )
+    scores = [
+        score_completion(s["completion"])
+        for s in map(json.loads, open(os.path.join(out, "samples.jsonl")))
+    ]
     assert rows[0]["samples/preferred"] == scores[:4].count(1) / 4
     assert open(os.path.join(out, "metrics.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     for name in ("matplotlib", "matplotlib.figure"):
@@ -2161,6 +3342,7 @@ def test_demo_reports_the_scorer_share_and_plots_the_curves(tmp_path, monkeypatc
 def test_wandb_gets_the_same_rows_and_a_clear_error_when_missing(tmp_path, monkeypatch, capsys):
     import importlib.machinery
     import types
+
     calls = []
     fake = types.ModuleType("wandb")
     fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
@@ -2170,35 +3352,58 @@ def test_wandb_gets_the_same_rows_and_a_clear_error_when_missing(tmp_path, monke
 
     def init(**kw):
         calls.append(("init", kw))
-        return types.SimpleNamespace(log=lambda data, step: calls.append(("log", step, data)),
-                                     finish=lambda: calls.append(("finish",)))
+        return types.SimpleNamespace(
+            log=lambda data, step: calls.append(("log", step, data)),
+            finish=lambda: calls.append(("finish",)),
+        )
+
     fake.Table, fake.init = table, init
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    out = run(tmp_path, "run", "--max-steps", "2", "--num-samples", "2", "--sample-max-tokens", "4",
-              "--wandb-project", "p", "--eval-before")
+    out = run(
+        tmp_path,
+        "run",
+        "--max-steps",
+        "2",
+        "--num-samples",
+        "2",
+        "--sample-max-tokens",
+        "4",
+        "--wandb-project",
+        "p",
+        "--eval-before",
+    )
     assert calls[0][0] == "init" and calls[0][1]["project"] == "p" and calls[-1] == ("finish",)
     logged = [c for c in calls if c[0] == "log"]
     train = [(step, data["train/loss"]) for _, step, data in logged if "train/loss" in data]
     assert train == [(r["step"], r["loss"]) for r in read_metrics(out)]
     evals = [(step, data) for _, step, data in logged if "eval/loss" in data]
-    assert [s for s, _ in evals] == [0, 2] and evals[0][1]["samples"][1] == ["step", "prompt", "completion"]
+    assert [s for s, _ in evals] == [0, 2] and evals[0][1]["samples"][1] == [
+        "step",
+        "prompt",
+        "completion",
+    ]
     monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
         run(tmp_path, "missing", "--wandb-project", "p")
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.strip() == "error: --wandb-project needs the wandb package: pip install wandb"
+    assert (
+        capsys.readouterr().err.strip()
+        == "error: --wandb-project needs the wandb package: pip install wandb"
+    )
     assert not (tmp_path / "missing").exists()
 
 
-# ---------------------------------------------------------------------------------------------- LoRA (lora.py)
+# ----------------------------------------------------------------------------------- LoRA (lora.py)
 def sharded_lora(seed, precision="fp32", rank=4):
-    """The trainer's LoRA path: adapters on the meta-device model, sharded, filled with the base's weights."""
+    """The trainer's LoRA path: adapters on the meta-device model, sharded, filled with the base's
+    weights."""
     config, tok = tiny_config()
     cfg = train_dpo.Config(lora=LoraConfig(lora_rank=rank), seed=seed)
 
     def make():
         return train_dpo.prepare_model(cfg, build_model(config))
+
     weights = initial_weights(make(), open_weights("tiny", config, seed))
     mp_policy = resolve_precision(PrecisionConfig(precision), CPU).mp_policy
     return fsdp_setup.build_sharded(make, weights, mp_policy, CPU, cfg.fsdp), tok
@@ -2210,29 +3415,49 @@ def test_lora_reference_is_the_base_model_exactly_and_only_the_adapters_train(pr
         policy, tok = sharded_lora(3, precision)
         dtypes = {(p.dtype, p.requires_grad) for p in policy.parameters()}
         compute = resolve_precision(PrecisionConfig(precision), CPU).compute_dtype
-        assert dtypes == {(compute, False), (torch.float32, True)}  # frozen base in the compute dtype; fp32 adapters
-        # The reference to match: fp32, the plain Hugging Face model; bf16, full fine-tuning's frozen reference.
+        assert dtypes == {
+            (compute, False),
+            (torch.float32, True),
+        }  # frozen base in the compute dtype; fp32 adapters
+        # The reference to match: fp32, the plain Hugging Face model; bf16, full fine-tuning's
+        # frozen reference.
         base = tiny(3)[0] if precision == "fp32" else sharded_tiny(3, precision, frozen=True)[0]
         batch = collate_pairs(tokenize(demo_pairs("train")[:4], tok, 128, 64), tok.pad_token_id)
         with torch.no_grad():
             expected = response_logps(base, batch)
-            torch.testing.assert_close(response_logps(WithoutAdapters(policy), batch), expected, rtol=0, atol=0)
-        before = {k: v.clone() for k, v in full_state(policy).items()}  # on CPU: views of the weights
-        optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2, weight_decay=0)
+            torch.testing.assert_close(
+                response_logps(WithoutAdapters(policy), batch), expected, rtol=0, atol=0
+            )
+        before = {
+            k: v.clone() for k, v in full_state(policy).items()
+        }  # on CPU: views of the weights
+        optimizer = torch.optim.AdamW(
+            [p for p in policy.parameters() if p.requires_grad], lr=1e-2, weight_decay=0
+        )
         for step in range(2):
             out = forward_pairs(policy, WithoutAdapters(policy), batch, train_dpo.LossConfig())
-            if step == 0:  # B starts at 0: the policy is its own reference, every pair's loss is ln 2
-                torch.testing.assert_close(out["losses"], torch.full((4,), math.log(2)), rtol=0, atol=1e-6)
+            if (
+                step == 0
+            ):  # B starts at 0: the policy is its own reference, every pair's loss is ln 2
+                torch.testing.assert_close(
+                    out["losses"], torch.full((4,), math.log(2)), rtol=0, atol=1e-6
+                )
             out["losses"].mean().backward()
             optimizer.step()
             optimizer.zero_grad()
         after = full_state(policy)
         moved = {k for k in before if not torch.equal(before[k], after[k])}
-        assert moved == {k for k in before if ".lora_" in k}  # every A and B moved; every base weight is as it was
+        assert moved == {
+            k for k in before if ".lora_" in k
+        }  # every A and B moved; every base weight is as it was
         modes = []  # the reference runs in eval mode (no dropout), whatever the policy's mode
-        policy.base_model.model.model.layers[0].register_forward_pre_hook(lambda m, a: modes.append(m.training))
+        policy.base_model.model.model.layers[0].register_forward_pre_hook(
+            lambda m, a: modes.append(m.training)
+        )
         with torch.no_grad():
-            torch.testing.assert_close(response_logps(WithoutAdapters(policy.train()), batch), expected, rtol=0, atol=0)
+            torch.testing.assert_close(
+                response_logps(WithoutAdapters(policy.train()), batch), expected, rtol=0, atol=0
+            )
         assert modes == [False] and policy.training
 
 
@@ -2248,60 +3473,101 @@ def lora_six(tmp_path_factory):
 def test_lora_run_starts_at_ln2_checkpoints_only_adapters_and_exports_a_peft_folder(lora_six):
     import peft
     from torch.distributed.checkpoint import FileSystemReader
+
     rows = read_metrics(lora_six)
-    assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and rows[-1]["loss"] < rows[0]["loss"] - 0.05
-    saved = FileSystemReader(os.path.join(lora_six, "checkpoints", "step-4")).read_metadata().state_dict_metadata
+    assert (
+        rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+        and rows[-1]["loss"] < rows[0]["loss"] - 0.05
+    )
+    saved = (
+        FileSystemReader(os.path.join(lora_six, "checkpoints", "step-4"))
+        .read_metadata()
+        .state_dict_metadata
+    )
     weights = [k for k in saved if k.startswith("model.")]
-    assert len(weights) == 4 * 7 * 2 and all(".lora_A." in k or ".lora_B." in k for k in weights)  # no base weight
+    assert len(weights) == 4 * 7 * 2 and all(
+        ".lora_A." in k or ".lora_B." in k for k in weights
+    )  # no base weight
     final = os.path.join(lora_six, "final")
     config = json.load(open(os.path.join(final, "adapter_config.json")))
     assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (8, 16, 0)
     linears = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     assert set(config["target_modules"]) == linears
-    loaded = peft.PeftModel.from_pretrained(tiny(0)[0], final)  # the base is the tiny model of --seed 0
+    loaded = peft.PeftModel.from_pretrained(
+        tiny(0)[0], final
+    )  # the base is the tiny model of --seed 0
     for name, p in loaded.named_parameters():
         if ".lora_" in name:  # peft's names carry the adapter's, the file's do not
-            torch.testing.assert_close(p, _adapters(lora_six)[name.replace(".default", "")], rtol=0, atol=0)
+            torch.testing.assert_close(
+                p, _adapters(lora_six)[name.replace(".default", "")], rtol=0, atol=0
+            )
 
 
 def test_lora_resume_is_bit_exact_and_the_merged_export_is_w_plus_scaled_ba(lora_six, tmp_path):
     import peft
+
     out = tmp_path / "resumed"
     shutil.copytree(os.path.join(lora_six, "checkpoints"), out / "checkpoints")
     (out / "checkpoints" / "latest").write_text("step-4")
     run(tmp_path, "resumed", *SIX, *LORA, "--resume", "latest", "--export-merged")
     for split in ("train", "eval"):
-        for x, y in zip(read_metrics(lora_six, split)[-2 if split == "train" else -1:], read_metrics(out, split),
-                        strict=True):
+        for x, y in zip(
+            read_metrics(lora_six, split)[-2 if split == "train" else -1 :],
+            read_metrics(out, split),
+            strict=True,
+        ):
             assert {k: x[k] for k in PAIR_METRICS} == {k: y[k] for k in PAIR_METRICS}  # bit for bit
-    base, adapters, merged = tiny(0)[0].state_dict(), _adapters(lora_six), load_safetensors(out / "final")
+    base, adapters, merged = (
+        tiny(0)[0].state_dict(),
+        _adapters(lora_six),
+        load_safetensors(out / "final"),
+    )
     adapted = 0
     for name, w in merged.items():
-        a = adapters.get(f"base_model.model.{name[:-len('.weight')]}.lora_A.weight")
+        a = adapters.get(f"base_model.model.{name[: -len('.weight')]}.lora_A.weight")
         if a is None:  # not adapted: still the base model's weight, bit for bit
             torch.testing.assert_close(w, base[name], rtol=0, atol=0)
             continue
-        b, adapted = adapters[f"base_model.model.{name[:-len('.weight')]}.lora_B.weight"], adapted + 1
-        torch.testing.assert_close(w, base[name] + (16 / 8) * b @ a, rtol=0, atol=1e-6)  # W + (alpha / r) B A
+        b, adapted = (
+            adapters[f"base_model.model.{name[: -len('.weight')]}.lora_B.weight"],
+            adapted + 1,
+        )
+        torch.testing.assert_close(
+            w, base[name] + (16 / 8) * b @ a, rtol=0, atol=1e-6
+        )  # W + (alpha / r) B A
     assert adapted == 4 * 7
     x = torch.tensor([list(range(3, 40))])
     with torch.no_grad():
-        as_adapter = peft.PeftModel.from_pretrained(tiny(0)[0], os.path.join(lora_six, "final"))(input_ids=x).logits
-        as_merged = transformers.AutoModelForCausalLM.from_pretrained(out / "final")(input_ids=x).logits
+        as_adapter = peft.PeftModel.from_pretrained(tiny(0)[0], os.path.join(lora_six, "final"))(
+            input_ids=x
+        ).logits
+        as_merged = transformers.AutoModelForCausalLM.from_pretrained(out / "final")(
+            input_ids=x
+        ).logits
     torch.testing.assert_close(as_merged, as_adapter, rtol=0, atol=1e-5)
 
 
 def test_lora_flags_fail_with_one_line(tmp_path, capsys, monkeypatch):
     import lora
-    for args, message in ((["--export-merged"], "--export-merged needs --lora-rank"),
-                          (["--lora-rank", "4", "--lora-targets", "qkv"], "--lora-targets qkv: Target modules {'qkv'} "
-                                                                            "not found in the base model"),
-                          (["--lora-rank", "-1"], "--lora-rank must be >= 0"),
-                          (["--lora-rank", "4", "--lora-targets", "lm_head"],  # it computes the log-probs
-                           "--lora-targets: the output layer takes no adapters here"),
-                          (["--lora-rank", "4", "--lora-targets", "embed_tokens", "--export-merged"],
-                           "--export-merged merges adapters on linear layers only; model.embed_tokens is a Embedding"),
-                          (["--lora-rank", "4", "--lora-dropout", "0.1"], "--lora-dropout needs --dropout")):
+
+    for args, message in (
+        (["--export-merged"], "--export-merged needs --lora-rank"),
+        (
+            ["--lora-rank", "4", "--lora-targets", "qkv"],
+            "--lora-targets qkv: Target modules {'qkv'} not found in the base model",
+        ),
+        (["--lora-rank", "-1"], "--lora-rank must be >= 0"),
+        (
+            ["--lora-rank", "4", "--lora-targets", "lm_head"],  # it computes the log-probs
+            "--lora-targets: the output layer takes no adapters here",
+        ),
+        (
+            ["--lora-rank", "4", "--lora-targets", "embed_tokens", "--export-merged"],
+            "--export-merged merges adapters on linear layers only; "
+            "model.embed_tokens is a Embedding",
+        ),
+        (["--lora-rank", "4", "--lora-dropout", "0.1"], "--lora-dropout needs --dropout"),
+    ):
         with pytest.raises(SystemExit) as exit_:
             run(tmp_path, "bad", "--max-steps", "1", *args)
         err = capsys.readouterr().err
@@ -2315,12 +3581,24 @@ def test_lora_flags_fail_with_one_line(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "bad").exists()  # nothing written
 
 
-# ---------------------------------------------------------------------------------------------- copyability
-CONCERN_FILES = ["loss.py", "precision.py", "fsdp_setup.py", "data.py", "checkpoint.py", "metrics.py", "demo.py",
-                 "lora.py", "batches.py", "samples.py", "models.py"]
+# -------------------------------------------------------------------------------------- copyability
+CONCERN_FILES = [
+    "loss.py",
+    "precision.py",
+    "fsdp_setup.py",
+    "data.py",
+    "checkpoint.py",
+    "metrics.py",
+    "demo.py",
+    "lora.py",
+    "batches.py",
+    "samples.py",
+    "models.py",
+]
 
 
-def test_concern_files_import_only_stdlib_and_torch():  # data.py: transformers; optional extras inside functions
+# data.py: transformers; optional extras inside functions
+def test_concern_files_import_only_stdlib_and_torch():
     siblings = {f[:-3] for f in CONCERN_FILES} | {"train_dpo"}
     for name in CONCERN_FILES:
         tree = ast.parse(open(os.path.join(HERE, name)).read())
@@ -2334,9 +3612,12 @@ def test_concern_files_import_only_stdlib_and_torch():  # data.py: transformers;
             for mod in mods:
                 top = mod.split(".")[0]
                 assert top not in siblings, f"{name} imports its sibling {mod}"
-                allowed = (top == "torch" or top in sys.stdlib_module_names
-                           or (name in ("data.py", "models.py") and top == "transformers")
-                           or (node in lazy and top in ("datasets", "matplotlib", "wandb", "peft")))
+                allowed = (
+                    top == "torch"
+                    or top in sys.stdlib_module_names
+                    or (name in ("data.py", "models.py") and top == "transformers")
+                    or (node in lazy and top in ("datasets", "matplotlib", "wandb", "peft"))
+                )
                 assert allowed, f"{name} imports {mod}"
 
 
@@ -2345,24 +3626,33 @@ def test_each_concern_file_imports_alone(tmp_path):
     for f in CONCERN_FILES:
         (tmp_path / f[:-3]).mkdir()
         (tmp_path / f[:-3] / f).write_text(open(os.path.join(HERE, f)).read())
-    script = (f"import importlib, sys; names = {[f[:-3] for f in CONCERN_FILES]!r}\n"
-              "for n in names:\n"
-              "    sys.path.insert(0, n); importlib.import_module(n); sys.path.pop(0)\n"
-              "    [sys.modules.pop(m, None) for m in names]\n")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    script = (
+        f"import importlib, sys; names = {[f[:-3] for f in CONCERN_FILES]!r}\n"
+        "for n in names:\n"
+        "    sys.path.insert(0, n); importlib.import_module(n); sys.path.pop(0)\n"
+        "    [sys.modules.pop(m, None) for m in names]\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
 
 
 def test_house_style_that_the_linter_does_not_check():
-    """ruff (in .ci/run) checks line length and lambdas assigned to names; this checks the rest of the house
-    style: no nested conditional expression, no issue numbers in code, and the line budgets."""
+    """ruff (in .ci/run) checks the layout, line length and lambdas assigned to names; this checks
+    the rest of the house style: the size budgets in statements (blank lines, comments, docstrings
+    and the formatter's line breaks are free), no nested conditional expression, no issue numbers
+    in code."""
     files = [f for f in os.listdir(HERE) if f.endswith(".py") and f != "test_dpo.py"]
-    lengths = {f: len(open(os.path.join(HERE, f)).read().splitlines()) for f in files}
-    assert lengths["train_dpo.py"] <= 400 and max(lengths.values()) <= 450 and sum(lengths.values()) <= 2830, lengths
+    statements = {}
     for name in files:
         source = open(os.path.join(HERE, name)).read()
+        tree = ast.parse(source)
+        statements[name] = sum(isinstance(node, ast.stmt) for node in ast.walk(tree))
         assert not re.search(r"\b[Ii]ssues? \d+", source), f"{name} names an issue"
-        for node in ast.walk(ast.parse(source)):
+        for node in ast.walk(tree):
             if isinstance(node, ast.IfExp):
                 inner = [n for n in ast.walk(node) if isinstance(n, ast.IfExp) and n is not node]
                 assert not inner, f"{name}:{node.lineno}: a nested conditional expression"
+    assert statements["train_dpo.py"] <= 320, statements
+    assert sum(statements.values()) <= 2300, statements

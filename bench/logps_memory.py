@@ -1,6 +1,7 @@
-"""Extra peak host memory of log-probs, forward plus backward, on bf16 logits (8, 1024, 32000) with 300 prompt
-positions masked. Run each mode in a fresh process, from the repo root:
+"""Extra peak host memory of log-probs, forward plus backward, on bf16 logits (8, 1024, 32000) with
+300 prompt positions masked. Run each mode in a fresh process, from the repo root:
     python bench/logps_memory.py naive; python bench/logps_memory.py chunked"""
+
 import os
 import resource
 import sys
@@ -30,5 +31,7 @@ if sys.argv[1] == "naive":
 else:
     out = sequence_logps(logits, labels)
 out.sum().backward()
-print(f"{sys.argv[1]}: extra peak {rss() - base:.2f} GiB over the {logits.numel() * 2 / 2**30:.2f} GiB logits, "
-      f"forward+backward {time.perf_counter() - t0:.1f} s")
+print(
+    f"{sys.argv[1]}: extra peak {rss() - base:.2f} GiB over the {logits.numel() * 2 / 2**30:.2f} "
+    f"GiB logits, forward+backward {time.perf_counter() - t0:.1f} s"
+)

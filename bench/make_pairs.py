@@ -1,24 +1,33 @@
 """Made-up preference pairs of controlled lengths; only their lengths matter.
 usage: python bench/make_pairs.py OUT.jsonl KIND
     big    100,000 pairs: prompts of 20-60 words, responses of 20-80 (the tokenization benchmark)
-    gpu    4,096 pairs of about 900 byte-tokens (prompt ~100-400, responses ~60-400): the 1B GPU bench
+    gpu    4,096 pairs of about 900 byte-tokens (prompt ~100-400, responses ~60-400): the 1B GPU
+           bench
     long   256 pairs of about 3.5k byte-tokens: the 1B GPU bench with 4k-token pairs
 """
+
 import json
 import random
 import sys
 
 WORDS = {
-    "big": "the a kettle lamp works well bad great broke fast value price quality service shipping box".split(),
-    "gpu": ("the a of to and in is it that was for on are as with his they at be this from have or by one had not "
-            "but what all were when we there can an your which their said if do will each about how up out them "
-            "then she many some so these would other into has more her two like him see time could no make than "
-            "first").split(),
+    "big": (
+        "the a kettle lamp works well bad great broke fast value price quality service shipping box"
+    ).split(),
+    "gpu": (
+        "the a of to and in is it that was for on are as with his they at be this from have or by "
+        "one had not but what all were when we there can an your which their said if do will each "
+        "about how up out them then she many some so these would other into has more her two like "
+        "him see time could no make than first"
+    ).split(),
 }
 WORDS["long"] = WORDS["gpu"]
 # kind: (seed, pairs, prompt words, response words)
-KINDS = {"big": (0, 100_000, (20, 60), (20, 80)), "gpu": (1, 4096, (25, 90), (15, 90)),
-         "long": (1, 256, (350, 450), (250, 330))}
+KINDS = {
+    "big": (0, 100_000, (20, 60), (20, 80)),
+    "gpu": (1, 4096, (25, 90), (15, 90)),
+    "long": (1, 256, (350, 450), (250, 330)),
+}
 
 out, kind = sys.argv[1], sys.argv[2]
 seed, n, prompt_words, response_words = KINDS[kind]
@@ -33,8 +42,18 @@ with open(out, "w") as f:
     for i in range(n):
         if kind == "big":
             p, c, r = salad(*prompt_words), salad(*response_words), salad(*response_words)
-            f.write(json.dumps({"prompt": f"Q{i}: {p}", "chosen": " " + c, "rejected": " " + r}) + "\n")
+            f.write(
+                json.dumps({"prompt": f"Q{i}: {p}", "chosen": " " + c, "rejected": " " + r}) + "\n"
+            )
         else:
-            f.write(json.dumps({"prompt": salad(*prompt_words) + "\n", "chosen": salad(*response_words),
-                                "rejected": salad(*response_words)}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "prompt": salad(*prompt_words) + "\n",
+                        "chosen": salad(*response_words),
+                        "rejected": salad(*response_words),
+                    }
+                )
+                + "\n"
+            )
 print(out, n, "pairs")

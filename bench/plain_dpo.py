@@ -1,5 +1,5 @@
-# A careful plain DPO loop, for comparison: one process, no FSDP, full float32 log-softmax over all logits,
-# autocast for bf16; saves the model at the end.
+# A careful plain DPO loop, for comparison: one process, no FSDP, full float32 log-softmax over all
+# logits, autocast for bf16; saves the model at the end.
 import copy
 import json
 import sys
@@ -20,10 +20,12 @@ reference = copy.deepcopy(policy).eval().requires_grad_(False)
 opt = torch.optim.AdamW(policy.parameters(), lr=1e-5)
 pairs = [json.loads(line) for line in open(data_path)]
 
+
 def encode(prompt, response):
     p = tok(prompt, add_special_tokens=False).input_ids
     r = tok(response, add_special_tokens=False).input_ids + [tok.eos_token_id]
     return p + r, [-100] * len(p) + r
+
 
 def collate(rows):
     width = max(len(ids) for ids, _ in rows)
@@ -31,8 +33,13 @@ def collate(rows):
     labels = torch.full((len(rows), width), -100)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, (x, y) in enumerate(rows):
-        ids[i, :len(x)], labels[i, :len(y)], mask[i, :len(x)] = torch.tensor(x), torch.tensor(y), 1
+        ids[i, : len(x)], labels[i, : len(y)], mask[i, : len(x)] = (
+            torch.tensor(x),
+            torch.tensor(y),
+            1,
+        )
     return ids, labels, mask
+
 
 def logps(model, ids, labels, mask):
     with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
@@ -41,10 +48,13 @@ def logps(model, ids, labels, mask):
     lp = logits.float().log_softmax(-1).gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
     return (lp * (labels != -100)).sum(-1)
 
+
 t0 = time.perf_counter()
 for step in range(steps):
-    chunk = pairs[step * batch:(step + 1) * batch]
-    rows = [encode(p["prompt"], p["chosen"]) for p in chunk] + [encode(p["prompt"], p["rejected"]) for p in chunk]
+    chunk = pairs[step * batch : (step + 1) * batch]
+    rows = [encode(p["prompt"], p["chosen"]) for p in chunk] + [
+        encode(p["prompt"], p["rejected"]) for p in chunk
+    ]
     ids, labels, mask = collate(rows)
     with torch.no_grad():
         ref_c, ref_r = logps(reference, ids, labels, mask).chunk(2)

@@ -1,6 +1,7 @@
-"""Steady-state figures of a train_dpo.py run from its metrics.jsonl: pairs/s between the first and the last train
-step (start-up and the first step left out), mean tokens/s and MFU after step 1, peak memory, last loss.
-usage: python bench/steady.py METRICS_JSONL BATCH_SIZE   (prints one JSON line)"""
+"""Steady-state figures of a train_dpo.py run from its metrics.jsonl: pairs/s between the first and
+the last train step (start-up and the first step left out), mean tokens/s and MFU after step 1, peak
+memory, last loss. usage: python bench/steady.py METRICS_JSONL BATCH_SIZE (prints one JSON line)"""
+
 import json
 import sys
 
@@ -13,8 +14,17 @@ def mean(key):
     return sum(r.get(key, 0) for r in rest) / len(rest)
 
 
-print(json.dumps({
-    "steps": len(train),
-    "steady_pairs_per_s": round((last["step"] - first["step"]) * batch / (last["elapsed_s"] - first["elapsed_s"]), 2),
-    "tokens_per_s": round(mean("tokens_per_s")), "mfu": round(mean("mfu"), 3),
-    "peak_gb": round(max(r["peak_mem_gb"] for r in train), 2), "last_loss": round(last["loss"], 4)}))
+print(
+    json.dumps(
+        {
+            "steps": len(train),
+            "steady_pairs_per_s": round(
+                (last["step"] - first["step"]) * batch / (last["elapsed_s"] - first["elapsed_s"]), 2
+            ),
+            "tokens_per_s": round(mean("tokens_per_s")),
+            "mfu": round(mean("mfu"), 3),
+            "peak_gb": round(max(r["peak_mem_gb"] for r in train), 2),
+            "last_loss": round(last["loss"], 4),
+        }
+    )
+)
