@@ -22,9 +22,9 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.distributed as dist
 
-IGNORE_INDEX = (
-    -100
-)  # labels not scored: Hugging Face's convention, and loss.py's (one line, kept copyable)
+# Labels not scored: Hugging Face's convention, and loss.py's (one line, kept so that this file
+# copies alone).
+IGNORE_INDEX = -100
 
 # Batches per length-sorted mega-batch: enough for neighbours of similar length, few enough to keep
 # an epoch random.
@@ -73,25 +73,25 @@ class PairBatch:
     never lets them see, so the model needs no attention mask (its fused causal kernels run). Built
     on the host; `.to(device)` moves it."""
 
-    input_ids: torch.Tensor  # (2B, T) int64: prompt + response ids, then padding
-    attention_mask: (
-        torch.Tensor
-    )  # (2B, T) int64: 1 on real tokens (for counting them; the model is not given it)
-    labels: (
-        torch.Tensor
-    )  # (2B, T) int64: the response ids, IGNORE_INDEX on prompt and padding (Hugging Face's form)
-    response_lengths: torch.Tensor  # (2B,) int64: scored tokens per row
-    score_index: (
-        torch.Tensor
-    )  # (N,) int64: for each scored token, the flat (2B * T) position whose state predicts it
-    score_targets: (
-        torch.Tensor
-    )  # (N,) int64: the scored tokens, row after row (response_lengths[r] of row r)
-    chosen_scored: int  # how many of the N scored tokens belong to chosen rows
+    input_ids: torch.Tensor
+    """(2B, T) int64: prompt + response ids, then padding."""
+    attention_mask: torch.Tensor
+    """(2B, T) int64: 1 on real tokens (for counting them; the model is not given it)."""
+    labels: torch.Tensor
+    """(2B, T) int64: the response ids, IGNORE_INDEX on prompt and padding (Hugging Face's form)."""
+    response_lengths: torch.Tensor
+    """(2B,) int64: scored tokens per row."""
+    score_index: torch.Tensor
+    """(N,) int64: for each scored token, the flat (2B * T) position whose state predicts it."""
+    score_targets: torch.Tensor
+    """(N,) int64: the scored tokens, row after row (response_lengths[r] of row r)."""
+    chosen_scored: int
+    """How many of the N scored tokens belong to chosen rows (they come first)."""
 
     def chosen(self) -> "PairBatch":
         """The first B rows alone (SFT scores the chosen responses only)."""
-        half, n = len(self.response_lengths) // 2, self.chosen_scored
+        half = len(self.response_lengths) // 2
+        n = self.chosen_scored
         return PairBatch(
             self.input_ids[:half],
             self.attention_mask[:half],
@@ -120,15 +120,15 @@ def collate_pairs(pairs: list[dict[str, list[int]]], pad_id: int) -> PairBatch:
     input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=host)
     labels = torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.long, device=host)
     attention_mask = torch.zeros((len(seqs), width), dtype=torch.long, device=host)
-    index, targets = [], []
+    index = []
+    targets = []
     for r, (prompt, response) in enumerate(seqs):
         end = len(prompt) + len(response)
         input_ids[r, :end] = torch.tensor(prompt + response, device=host)
         labels[r, len(prompt) : end] = torch.tensor(response, device=host)
         attention_mask[r, :end] = 1
-        index += range(
-            r * width + len(prompt) - 1, r * width + end - 1
-        )  # the position before each response token
+        # The position before each response token predicts it.
+        index += range(r * width + len(prompt) - 1, r * width + end - 1)
         targets += response
     return PairBatch(
         input_ids,
@@ -147,24 +147,30 @@ class StepBatches:
     resumed run sees what it would have."""
 
     def __init__(self, pair_lens: torch.Tensor, config: BatchConfig, seed: int):
-        self.config, self.seed, self.n_pairs = config, seed, len(pair_lens)
-        self.lengths = pair_lengths(pair_lens) if config.group_by_length else None
+        self.config = config
+        self.seed = seed
+        self.n_pairs = len(pair_lens)
+        self.lengths = None
+        if config.group_by_length:
+            self.lengths = pair_lengths(pair_lens)
         self.steps_per_epoch = self.n_pairs // config.batch_size
         if not self.steps_per_epoch:
             raise ValueError(
                 f"{self.n_pairs} training pairs, fewer than one --batch-size ({config.batch_size})"
             )
         self.total_steps = config.max_steps or config.epochs * self.steps_per_epoch
-        self._epoch = (-1, [])  # (epoch, its batches)
+        # The current epoch's batches, made when a step first needs them.
+        self._epoch = -1
+        self._batches = []
 
     def __call__(self, step: int) -> list[int]:
         epoch = step // self.steps_per_epoch
-        if self._epoch[0] != epoch:
-            self._epoch = (
-                epoch,
-                build_batches(self.n_pairs, self.config.batch_size, self.seed, epoch, self.lengths),
+        if self._epoch != epoch:
+            self._epoch = epoch
+            self._batches = build_batches(
+                self.n_pairs, self.config.batch_size, self.seed, epoch, self.lengths
             )
-        return self._epoch[1][step % self.steps_per_epoch]
+        return self._batches[step % self.steps_per_epoch]
 
 
 def pair_lengths(pair_lens: torch.Tensor) -> list[int]:
@@ -217,25 +223,24 @@ def pair_table(
     """(N, width): fn(idx, batch) -> (B, width) for each pair exactly once over the process group's
     ranks, shortest first (build_eval_batches; `pairs`: data.PairTokens). A collective: every rank
     calls it and gets the whole table."""
-    table = torch.zeros(len(pairs), width, device=device)  # each row from one rank, 0 on the others
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    for idx in build_eval_batches(
-        len(pairs), micro_batch_size, rank, world_size, pair_lengths(pairs.lengths)
-    ):
-        batch = collate_pairs([pairs[i] for i in idx or [0]], pad_id).to(
-            device
-        )  # no idx: a dummy (pair 0)
-        table[idx] = fn(idx, batch)[
-            : len(idx)
-        ]  # a rank out of pairs runs the dummy, for the collectives
-    dist.all_reduce(table)  # the sum over ranks is exact: one non-zero term per entry
+    # Each row from one rank, 0 on the others: the sum over ranks is exact, one non-zero term each.
+    table = torch.zeros(len(pairs), width, device=device)
+    rank = dist.get_rank()
+    world_size = dist.get_world_size()
+    lengths = pair_lengths(pairs.lengths)
+    for idx in build_eval_batches(len(pairs), micro_batch_size, rank, world_size, lengths):
+        # A rank out of pairs runs a dummy (pair 0), for the collectives, and keeps nothing of it.
+        batch = collate_pairs([pairs[i] for i in idx or [0]], pad_id).to(device)
+        table[idx] = fn(idx, batch)[: len(idx)]
+    dist.all_reduce(table)
     return table
 
 
 def table_rows(table: torch.Tensor, idx: list[int]) -> torch.Tensor:
     """(2B,) [chosen; rejected], as in a PairBatch, of pairs `idx` from an (N, 2) [chosen, rejected]
     table."""
-    return table[to_device(torch.tensor(idx or [0]), table.device)].T.reshape(-1)  # (B, 2) -> (2B,)
+    rows = table[to_device(torch.tensor(idx or [0]), table.device)]  # (B, 2)
+    return rows.T.reshape(-1)  # (2B,)
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:

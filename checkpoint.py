@@ -3,13 +3,15 @@ shard.
 
 Copyable on its own: imports only the standard library and torch.
 
+    saver = Checkpointer(root, keep_last=3)  # background=True: writes in a thread
     # root/step-N, then root/latest pointing at it
-    save_checkpoint(root, step, model, optimizer, {"step": step, ...}, keep_last=3)
-    # returns once staged; finish_checkpoint() completes it
-    save_checkpoint(..., background=True)
+    saver.save(step, model, optimizer, {"step": step, ...})
+    saver.finish()  # waits for a background write and moves root/latest
     path = find_checkpoint(root, "latest")  # or an explicit step-N folder
     state = read_trainer_state(path)  # the saved extra, cheap: before building models
     check_same_run(state, {"config": config}, fixed={"model": "--model", "seed": "--seed"})
+    # all three at once, as --resume: the state and its "path"
+    state = resume_state(root, "latest", {"config": config}, fixed={"seed": "--seed"})
     load_checkpoint(path, model, optimizer)  # any world size: DCP reshards on load
     stop = StopRequest()  # SIGTERM/SIGUSR1/SIGINT: finish the step, save, exit
 
@@ -18,7 +20,6 @@ A checkpoint folder holds the model (less frozen weights, such as LoRA's base) a
 GPU, Python RNGs).
 """
 
-import functools
 import json
 import os
 import pathlib
@@ -44,9 +45,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 _STATE = "trainer_state.json"
-# "write": (future, publish) of a background save; "group": its gloo group, made for "world";
-# "stager"
-_pending = {}
 
 
 @dataclass
@@ -69,103 +67,117 @@ class CheckpointConfig:
             raise ValueError(f"--keep-last must be >= 0, got {self.keep_last}")
 
 
-def save_checkpoint(
-    root: str,
-    step: int,
-    model: nn.Module,
-    optimizer: Optimizer,
-    extra: dict,
-    keep_last: int = 0,
-    background: bool = False,
-    reference: nn.Module | None = None,
-) -> str:
-    """Collective: write root/step-{step} (as step-N.tmp, renamed once complete), then point
-    root/latest at it, so a run killed mid-save resumes from the previous one; keep the newest
-    keep_last (0: all). background=True returns once the shards are staged in host memory: a thread
-    writes them over its own gloo group; finish_checkpoint completes it. reference: a frozen model
-    that changes in training (TR-DPO's), saved whole beside the model."""
-    # at most one write in flight: its staged copy is the memory async saving costs
-    finish_checkpoint()
-    path = os.path.join(root, f"step-{step}")
-    tmp = path + ".tmp"
-    rank = dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an earlier killed save
-        os.makedirs(tmp)
-        pathlib.Path(tmp, _STATE).write_text(
-            json.dumps({**extra, "world_size": dist.get_world_size()}, indent=2)
-        )
-    dist.barrier()
-    os.makedirs(
-        tmp, exist_ok=True
-    )  # a shared file system may show another node rank 0's new folder late
-    # The current GPU's (parameters may be offloaded); a CPU run, which never starts CUDA, does not
-    # start it here.
-    rng = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
-    }
-    torch.save(rng, os.path.join(tmp, f"rng-rank{rank}.pt"))
-    state = _trained_state(model, optimizer, reference)
-    if background:
-        if (
-            _pending.get("world") is not dist.group.WORLD
-        ):  # once per process group, on every rank (a collective)
-            # Its own timeout: the write's last gather waits for the slowest rank's shards to reach
-            # the disk.
-            _pending.update(
-                world=dist.group.WORLD,
-                group=dist.new_group(backend="gloo", timeout=timedelta(hours=6)),
+class Checkpointer:
+    """A run's checkpoints in `root`. save() writes root/step-N (as step-N.tmp, renamed once
+    complete), then points root/latest at it, so that a run killed mid-save resumes from the
+    previous one, and keeps the newest keep_last (0: all). With background=True, save() returns
+    once the shards are copied to host memory, and a thread writes them over a gloo group of its
+    own; finish() completes that write. Make one per process group: it holds that group and, on
+    GPUs, the pinned host buffers that every save reuses."""
+
+    def __init__(self, root: str, keep_last: int = 0, background: bool = False):
+        self.root = root
+        self.keep_last = keep_last
+        self.background = background
+        # The background write in flight: (its future, the folder `latest` moves to once done).
+        self._write = None
+        self._group = None
+        self._stager = None
+
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: Optimizer,
+        extra: dict,
+        reference: nn.Module | None = None,
+    ) -> str:
+        """Collective: root/step-{step} with the model and optimizer shards, this rank's RNG states
+        and trainer_state.json (`extra` and the world size); returns its path. reference: a frozen
+        model that changes in training (TR-DPO's), saved whole beside the model."""
+        # At most one write in flight: its staged copy is the memory a background save costs.
+        self.finish()
+        path = os.path.join(self.root, f"step-{step}")
+        tmp = path + ".tmp"
+        rank = dist.get_rank()
+        if rank == 0:
+            # Leftovers of an earlier save that was killed go first.
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+            state = {**extra, "world_size": dist.get_world_size()}
+            pathlib.Path(tmp, _STATE).write_text(json.dumps(state, indent=2))
+        dist.barrier()
+        # A shared file system may show another node rank 0's new folder late.
+        os.makedirs(tmp, exist_ok=True)
+        # The current GPU's generator (the parameters may be offloaded); a CPU run, which never
+        # starts CUDA, does not start it here.
+        cuda_rng = None
+        if torch.cuda.is_initialized():
+            cuda_rng = torch.cuda.get_rng_state()
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "cuda": cuda_rng}
+        torch.save(rng, os.path.join(tmp, f"rng-rank{rank}.pt"))
+        trained = _trained_state(model, optimizer, reference)
+        if not self.background:
+            dcp.save(trained, checkpoint_id=tmp)
+            # Every rank's part is on disk before `latest` moves.
+            dist.barrier()
+            self._publish(path)
+            dist.barrier()
+            return path
+        if self._group is None:
+            # A collective, on every rank. Its own timeout: the write's last gather waits for the
+            # slowest rank's shards to reach the disk.
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(hours=6))
+        if self._stager is None and torch.cuda.is_initialized():
+            # Pinned host buffers, made once and reused by every save: fast copies from the GPU,
+            # and no new page-locked memory at each save.
+            options = staging.StagingOptions(
+                use_pinned_memory=True,
+                use_shared_memory=False,
+                use_async_staging=False,
+                use_non_blocking_copy=False,
             )
-        # The write ends in a gather: rank 0's future is done once every rank's shards and RNG file
-        # are on disk.
-        if (
-            torch.cuda.is_initialized() and "stager" not in _pending
-        ):  # pinned host buffers, reused by every save
-            _pending["stager"] = staging.DefaultStager(
-                staging.StagingOptions(True, False, False, False)
-            )  # pinned
-        _pending["write"] = (
-            dcp.async_save(
-                state,
-                checkpoint_id=tmp,
-                process_group=_pending["group"],
-                async_stager=_pending.get("stager"),
-            ),
-            functools.partial(_publish, root, path, keep_last),
+            self._stager = staging.DefaultStager(options)
+        # The write ends in a gather: rank 0's future is done once every rank's shards and RNG
+        # file are on disk.
+        future = dcp.async_save(
+            trained, checkpoint_id=tmp, process_group=self._group, async_stager=self._stager
         )
+        self._write = (future, path)
         return path
-    dcp.save(state, checkpoint_id=tmp)
-    dist.barrier()  # every rank's part is on disk
-    _publish(root, path, keep_last)
-    dist.barrier()
-    return path
+
+    def finish(self, wait: bool = True) -> None:
+        """Complete a background save: wait for its write (wait=False: only if it is done already)
+        and let rank 0 move `latest` to it. A failed write raises here. No collective: safe to call
+        on any one rank."""
+        if self._write is None:
+            return
+        future, path = self._write
+        if not (wait or future.done()):
+            return
+        self._write = None
+        future.result()
+        self._publish(path)
+
+    def _publish(self, path: str) -> None:
+        """Rank 0 renames step-N.tmp to step-N, points `latest` at it, and prunes to keep_last."""
+        if dist.get_rank() != 0:
+            return
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(path + ".tmp", path)
+        latest = os.path.join(self.root, "latest")
+        pathlib.Path(latest + ".tmp").write_text(os.path.basename(path))
+        # A rename: a reader never sees half a pointer.
+        os.replace(latest + ".tmp", latest)
+        if self.keep_last:
+            done = [n for n in os.listdir(self.root) if re.fullmatch(r"step-\d+", n)]
+            done.sort(key=_step_number)
+            for old in done[: -self.keep_last]:
+                shutil.rmtree(os.path.join(self.root, old))
 
 
-def finish_checkpoint(wait: bool = True) -> None:
-    """Complete a background save_checkpoint: wait for its write (wait=False: only if already done)
-    and let rank 0 move `latest` to it. A failed write raises here. No collective: safe to call on
-    any one rank."""
-    if "write" not in _pending or not (wait or _pending["write"][0].done()):
-        return
-    future, publish = _pending.pop("write")
-    future.result()
-    publish()
-
-
-def _publish(root: str, path: str, keep_last: int) -> None:
-    if dist.get_rank() != 0:
-        return
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(path + ".tmp", path)
-    latest = os.path.join(root, "latest")
-    pathlib.Path(latest + ".tmp").write_text(os.path.basename(path))
-    os.replace(latest + ".tmp", latest)  # a reader never sees half a pointer
-    if keep_last:
-        done = [n for n in os.listdir(root) if re.fullmatch(r"step-\d+", n)]
-        for old in sorted(done, key=lambda n: int(n.split("-")[1]))[:-keep_last]:
-            shutil.rmtree(os.path.join(root, old))
+def _step_number(folder: str) -> int:
+    return int(folder.split("-")[1])
 
 
 def find_checkpoint(root: str, spec: str) -> str:
@@ -180,6 +192,16 @@ def find_checkpoint(root: str, spec: str) -> str:
     return spec
 
 
+def resume_state(root: str, spec: str, current: dict, fixed: dict[str, str]) -> dict:
+    """--resume `spec` (see find_checkpoint): the checkpoint's trainer state with its "path", once
+    check_same_run finds `current` (JSON-able, compared as it would be saved) the same run in
+    every `fixed` setting."""
+    path = find_checkpoint(root, spec)
+    saved = {**read_trainer_state(path), "path": path}
+    check_same_run(saved, json.loads(json.dumps(current)), fixed)
+    return saved
+
+
 def read_trainer_state(path: str) -> dict:
     """The extra dict saved with the checkpoint, plus "world_size"."""
     return json.loads(pathlib.Path(path, _STATE).read_text())
@@ -191,14 +213,16 @@ def load_checkpoint(
     """Load `path` into the sharded model and optimizer (and reference, as saved), and this rank's
     RNGs unless the world size changed (False)."""
     state = _trained_state(model, optimizer, reference)
-    dcp.load(state, checkpoint_id=path)  # fails naming any key of `state` the checkpoint lacks
+    # Fails naming any key of `state` that the checkpoint lacks.
+    dcp.load(state, checkpoint_id=path)
+    # Not strict: frozen weights are not in the checkpoint, the model has them already.
     set_state_dict(
         model,
         optimizer,
         model_state_dict=state["model"],
         optim_state_dict=state["optim"],
         options=StateDictOptions(strict=False),
-    )  # frozen weights are the model's own, not loaded
+    )
     if reference is not None:
         set_model_state_dict(reference, state["reference"])
     if read_trainer_state(path)["world_size"] != dist.get_world_size():
@@ -206,10 +230,10 @@ def load_checkpoint(
     rng = torch.load(os.path.join(path, f"rng-rank{dist.get_rank()}.pt"), weights_only=True)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
-    if (
-        isinstance(rng["cuda"], torch.Tensor) and torch.cuda.is_initialized()
-    ):  # older checkpoints: a list
-        torch.cuda.set_rng_state(rng["cuda"])  # the current GPU's
+    # This GPU's generator. None when saved by a CPU run; a list (every GPU's states) is not this
+    # GPU's own, so it is not restored.
+    if isinstance(rng["cuda"], torch.Tensor) and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state(rng["cuda"])
     return True
 
 
@@ -234,7 +258,8 @@ def _trained_state(model: nn.Module, optimizer: Optimizer, reference: nn.Module 
 def check_same_run(saved: dict, current: dict, fixed: dict[str, str]) -> None:
     """Refuse to resume when a setting differs; `fixed`: {leaf name in the nested dicts: its flag,
     e.g. "--seed"}."""
-    flat_saved, flat_current = _leaves(saved), _leaves(current)
+    flat_saved = _leaves(saved)
+    flat_current = _leaves(current)
     for key, label in fixed.items():
         if flat_saved.get(key) != flat_current.get(key):
             raise ValueError(
@@ -245,7 +270,8 @@ def check_same_run(saved: dict, current: dict, fixed: dict[str, str]) -> None:
 
 
 def _short(value) -> str:
-    if isinstance(value, str) and len(value) > 40:  # a hash: its start is enough to tell two apart
+    # A hash: its start is enough to tell two apart.
+    if isinstance(value, str) and len(value) > 40:
         return f"{value[:12]}..."
     return repr(value)
 

@@ -85,7 +85,9 @@ def read_rows(spec: str) -> list[dict]:
     raw = _read_source(spec)
     if not raw:
         raise DataError(f"{spec}:1: no preference pairs")
-    rows, first = [], None
+    rows = []
+    # The first row's (where, kind): every row must be of its kind.
+    first = None
     for where, row in raw:
         if not isinstance(row, dict):
             raise DataError(
@@ -146,9 +148,11 @@ def _read_source(spec: str) -> list[tuple[str, object]]:
     with open(spec, "rb") as f:
         data = f.read()
     try:
-        text = data.decode("utf-8-sig")  # a leading byte-order mark is dropped
+        # A leading byte-order mark is dropped.
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        line, column = data.count(b"\n", 0, e.start) + 1, e.start - data.rfind(b"\n", 0, e.start)
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - data.rfind(b"\n", 0, e.start)
         raise DataError(
             f"{spec}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at column {column}); save "
             "the file as UTF-8"
@@ -221,9 +225,8 @@ def _load_hub(spec: str):
             return datasets.load_dataset(name, split=split or "train")
         ds = datasets.load_from_disk(name)
         return ds[split or "train"] if isinstance(ds, datasets.DatasetDict) else ds
-    except (
-        Exception
-    ) as e:  # the datasets package raises many types; all mean "cannot read this spec"
+    # The datasets package raises many types; all of them mean "cannot read this spec".
+    except Exception as e:
         raise DataError(
             f"{spec}: cannot load ({type(e).__name__}: {str(e).strip().splitlines()[0]})"
         ) from None
@@ -245,9 +248,9 @@ def _render(row: dict, tokenizer) -> tuple[str, str, str]:
     text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
     responses = []
     for field, response in (("chosen", chosen), ("rejected", rejected)):
-        full = (
-            tokenizer.apply_chat_template(prompt + response, tokenize=False) if response else text
-        )
+        full = text
+        if response:
+            full = tokenizer.apply_chat_template(prompt + response, tokenize=False)
         if not full.startswith(text):
             raise DataError(
                 f"{where}: field '{field}': the chat template renders the prompt differently once "
@@ -258,11 +261,10 @@ def _render(row: dict, tokenizer) -> tuple[str, str, str]:
 
 
 def _implicit_prompt(chosen: str | list, rejected: str | list, tokenizer, where: str) -> str | list:
-    if isinstance(chosen, list):  # the longest common run of messages
-        n = next(
-            (i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b),
-            min(len(chosen), len(rejected)),
-        )
+    # Message lists: the longest common run of messages.
+    if isinstance(chosen, list):
+        differ = (i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b)
+        n = next(differ, min(len(chosen), len(rejected)))
         if n == 0:
             raise DataError(
                 f"{where}: fields 'chosen' and 'rejected' share no first message to use as the "
@@ -274,7 +276,8 @@ def _implicit_prompt(chosen: str | list, rejected: str | list, tokenizer, where:
     if turn >= 0:
         return shared[: turn + len(_HH_MARKER)]
     chosen_ids, rejected_ids = tokenizer([chosen, rejected], add_special_tokens=False)["input_ids"]
-    while shared:  # back off until the prefix's tokens begin both texts' tokens
+    # Back off until the prefix's tokens begin both texts' tokens.
+    while shared:
         ids = tokenizer(shared, add_special_tokens=False)["input_ids"]
         if chosen_ids[: len(ids)] == ids and rejected_ids[: len(ids)] == ids:
             return shared
@@ -287,13 +290,10 @@ class PairTokens:
     "rejected"} lists."""
 
     def __init__(self, ids: torch.Tensor, lengths: torch.Tensor):
-        self.ids, self.lengths = (
-            ids,
-            lengths,
-        )  # (total,) int32; (N, 3) int64 [prompt, chosen, rejected]
-        self._starts = torch.cat(
-            [torch.zeros(1, dtype=torch.long), lengths.sum(1).cumsum(0)]
-        ).tolist()
+        self.ids = ids  # (total,) int32
+        self.lengths = lengths  # (N, 3) int64 [prompt, chosen, rejected]
+        ends = lengths.sum(1).cumsum(0)
+        self._starts = torch.cat([torch.zeros(1, dtype=torch.long), ends]).tolist()
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -329,21 +329,24 @@ def tokenize_pairs(
         ),
         0,
     )
-    done, lengths, raw = [], [], {"prompt": [], "response": [], "pair": []}
+    # Each chunk's ids, each kept pair's three lengths, and lengths before truncation.
+    done = []
+    lengths = []
+    raw = {"prompt": [], "response": [], "pair": []}
     for s in range(0, len(rows), _CHUNK):
         if progress and len(rows) > 10 * _CHUNK and (s // _CHUNK) % 10 == 0:
             progress(f"tokenizing: {s}/{len(rows)} pairs")
         texts = [_render(row, tokenizer) for row in rows[s : s + _CHUNK]]
         prompts = tokenizer([p for p, _, _ in texts], add_special_tokens=False)["input_ids"]
-        fulls = tokenizer([p + x for p, c, r in texts for x in (c, r)], add_special_tokens=False)[
-            "input_ids"
-        ]
+        both = [p + x for p, c, r in texts for x in (c, r)]
+        fulls = tokenizer(both, add_special_tokens=False)["input_ids"]
         flat = []
         for j, (_, c, r) in enumerate(texts):
             row = rows[s + j]
-            prompt = (
-                prompts[j] if isinstance(row["chosen"], list) else prefix + prompts[j]
-            )  # templates add BOS
+            # A chat template writes BOS itself; plain text gets the tokenizer's leading specials.
+            prompt = prompts[j]
+            if not isinstance(row["chosen"], list):
+                prompt = prefix + prompts[j]
             if not prompt:
                 raise DataError(
                     f"{row['where']}: field 'prompt' is empty and the tokenizer adds no BOS, so "
@@ -355,9 +358,8 @@ def tokenize_pairs(
             if pair:
                 flat += pair[0] + pair[1] + pair[2]
                 lengths.append(tuple(map(len, pair)))
-        done.append(
-            torch.tensor(flat, dtype=torch.int32)
-        )  # as int32: Python ints take several times the memory
+        # As int32: Python ints would take several times the memory.
+        done.append(torch.tensor(flat, dtype=torch.int32))
     ids = torch.cat(done) if done else torch.zeros(0, dtype=torch.int32)
     tokens = PairTokens(ids, torch.tensor(lengths, dtype=torch.long).view(-1, 3))
     return tokens, {
@@ -396,7 +398,8 @@ def _truncate(
     raw: dict,
 ) -> tuple[list[int], list[int], list[int]] | None:
     """The pair cut to config's limits, or None when it carries no preference (counted)."""
-    if len(chosen) == 1 or len(rejected) == 1:  # nothing but EOS
+    # Nothing but EOS.
+    if len(chosen) == 1 or len(rejected) == 1:
         counts["dropped_empty"] += 1
         return None
     if chosen == rejected:
@@ -410,17 +413,18 @@ def _truncate(
     cut_prompt = len(prompt) > config.prompt_limit
     if cut_prompt and config.truncation == "keep_start":
         prompt = prompt[: config.prompt_limit]
-    elif cut_prompt:  # a leading BOS stays when the start is cut away
+    elif cut_prompt:
+        # A leading BOS stays when the start is cut away.
         head = prefix if prompt[: len(prefix)] == prefix else []
         prompt = head + prompt[len(prompt) - (config.prompt_limit - len(head)) :]
     room = config.max_length - len(prompt)
-    if (
-        chosen[:room] == rejected[:room]
-    ):  # responses that differ only past the cut teach nothing either
+    # Responses that differ only past the cut teach nothing either.
+    if chosen[:room] == rejected[:room]:
         counts["dropped_identical"] += 1
         counts["identical_after_truncation"] += 1
         return None
-    counts["truncated"] += 1  # a pair over max_length always loses prompt or response tokens
+    # A pair over max_length always loses prompt or response tokens.
+    counts["truncated"] += 1
     if cut_prompt:
         counts["truncated_prompts"] += 1
     if longest > room:
@@ -472,10 +476,10 @@ def tokenize_to_cache(config: DataConfig, tokenizer, progress=None) -> str:
         return path
     rows = [row for spec in config.data for row in read_rows(spec)]
     eval_rows = [row for spec in config.eval_data for row in read_rows(spec)]
-    if config.eval_fraction:  # held out by a fixed shuffle, the same whatever --seed
-        held = set(
-            random.Random(0).sample(range(len(rows)), round(config.eval_fraction * len(rows)))
-        )
+    if config.eval_fraction:
+        # Held out by a fixed shuffle, the same whatever --seed.
+        count = round(config.eval_fraction * len(rows))
+        held = set(random.Random(0).sample(range(len(rows)), count))
         eval_rows = [r for i, r in enumerate(rows) if i in held]
         rows = [r for i, r in enumerate(rows) if i not in held]
     train, train_summary = tokenize_pairs(rows, tokenizer, config, progress)

@@ -8,9 +8,11 @@ Copyable on its own: imports only the standard library and torch.
     model = build_sharded(make_model, weights, mp_policy, device, FSDPConfig())
     with inference(model):  # eval, no grad; then the previous mode back, resharded
         model(**batch)
-    path = on_rank0(build_cache)  # rank 0 works, every rank gets its result (or error)
+    # rank 0 runs build_cache(folder); every rank gets its result, or its error
+    path = on_rank0(build_cache, folder)
     for name, tensor, fetch in full_tensors(model, device):  # one full tensor at a time
         fetch()
+    norm = clip_grad_norm_(model, max_norm=1.0)  # the global norm, over every rank's shards
     # TR-DPO: reference = 0.6 policy + 0.4 reference, shard by shard
     mix_into(reference, policy, alpha=0.6)
 """
@@ -19,6 +21,7 @@ import contextlib
 import functools
 import itertools
 import json
+import math
 import os
 import pickle
 import sys
@@ -40,12 +43,14 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
-_groups = itertools.count(1)  # process groups started in this process
-_rank0_calls = itertools.count(
-    1
-)  # every rank calls on_rank0 in the same order: the n-th call's key
-_RANK0_WAIT = timedelta(hours=24)  # the longest rank-0 phase the other ranks wait for
-_meshes = {}  # the HSDP mesh of the current process group
+# Process groups started in this process, to name each one's keys in the store.
+_groups = itertools.count(1)
+# Every rank calls on_rank0 in the same order: the n-th call's key in the store.
+_rank0_calls = itertools.count(1)
+# The longest rank-0 phase (a download, tokenizing) the other ranks wait for.
+_RANK0_WAIT = timedelta(hours=24)
+# The HSDP mesh of the current process group, shared by the policy and the reference.
+_meshes = {}
 
 
 @dataclass
@@ -101,16 +106,16 @@ def init_distributed(
         # batch shapes.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         torch.cuda.set_device(device)
-        torch.cuda.reset_peak_memory_stats(
-            device
-        )  # the peak is this run's, also after an earlier one in this process
+        # The peak is this run's, also after an earlier one in this process.
+        torch.cuda.reset_peak_memory_stats(device)
         # cuDNN attention (SDPA's pick on Hopper) plans on the host for each new padded length;
         # flash needs no plan.
         torch.backends.cuda.enable_cudnn_sdp(False)
     device_id = device if cuda else None
-    if (
-        "RANK" in os.environ
-    ):  # keys of its own, not an earlier group's in this process: main() may run again
+    # Under torchrun: keys of its own in the store, not an earlier group's in this process (main()
+    # may run again). Alone: a HashStore needs no free port, so two single-process runs on one
+    # machine never collide.
+    if "RANK" in os.environ:
         store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
         dist.init_process_group(
             backend,
@@ -120,27 +125,26 @@ def init_distributed(
             timeout=timedelta(seconds=timeout_s),
             device_id=device_id,
         )
-    else:  # a HashStore needs no free port, so two single-process runs on one machine never collide
+    else:
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id
         )
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def on_rank0(fn, share: bool = True):
-    """fn() on rank 0 alone; its result (share=False: None elsewhere) or failure (a ValueError as
-    one, any other as a RuntimeError) reaches every rank. The others wait on the store: a collective
-    could time out in a long rank-0 job."""
+def on_rank0(fn, *args, share: bool = True):
+    """fn(*args) on rank 0 alone; its result (share=False: None elsewhere) or failure (a ValueError
+    as one, any other as a RuntimeError) reaches every rank. The others wait on the store: a
+    collective could time out in a long rank-0 job."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return fn()
+        return fn(*args)
     key = f"dpo/on_rank0/{next(_rank0_calls)}"
     store = dist.distributed_c10d._get_default_store()
     if dist.get_rank() == 0:
         try:
-            result = fn()
-        except (
-            BaseException
-        ) as e:  # the other ranks must hear of any failure (Ctrl-C too), or they wait on
+            result = fn(*args)
+        # The other ranks must hear of any failure (Ctrl-C too), or they would wait on.
+        except BaseException as e:
             store.set(
                 key, pickle.dumps((None, str(e) or type(e).__name__, isinstance(e, ValueError)))
             )
@@ -157,7 +161,8 @@ def on_rank0(fn, share: bool = True):
 def _local_gpu() -> int:
     """This process's GPU: LOCAL_RANK, or 0 when a launcher (SLURM, Kubernetes) shows it one
     (CUDA_VISIBLE_DEVICES)."""
-    local_rank, visible = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    visible = torch.cuda.device_count()
     if visible == 1 and os.environ.get("CUDA_VISIBLE_DEVICES"):
         return 0
     if local_rank >= visible:
@@ -261,16 +266,16 @@ def apply_fsdp(
     1: HSDP, an (R, world/R) mesh."""
     world = dist.get_world_size()
     # An explicit mesh: FSDP2's default takes CUDA whenever a GPU is visible, even for a CPU model.
-    mesh = (
-        init_device_mesh(device.type, (world,))
-        if replicas == 1
-        else _hsdp_mesh(device.type, replicas)
-    )
+    if replicas == 1:
+        mesh = init_device_mesh(device.type, (world,))
+    else:
+        mesh = _hsdp_mesh(device.type, replicas)
     if frozen:
         model.requires_grad_(False).eval()
-    policy = (
-        CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
-    )  # offload: on the host
+    policy = OffloadPolicy()
+    if offload:
+        # Shards, gradients and optimizer state on the host, pinned for fast copies to a GPU.
+        policy = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     shard = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": policy}
     for block in _blocks(model):
         fully_shard(block, reshard_after_forward=reshard_after_forward or frozen, **shard)
@@ -317,17 +322,17 @@ def load_sharded(
     model was built with (computed, not saved)."""
     built = [(module, dict(module._buffers)) for module in model.modules()]
     model.to_empty(device="cpu" if offload else device)
-    for module, buffers in built:  # offloaded: the buffers still go where forward runs
+    # Offloaded, the buffers still go where forward runs.
+    for module, buffers in built:
         module._buffers.update({k: b.to(device) for k, b in buffers.items() if b is not None})
     persistent = model.state_dict().keys()
-    for (
-        name,
-        buf,
-    ) in model.named_buffers():  # a persistent buffer the files hold (a trained bias): theirs
+    # A persistent buffer the files hold (a trained bias) takes their value.
+    for name, buf in model.named_buffers():
         if name in weights and name in persistent:
             buf.copy_(weights[name])
     with torch.no_grad():
-        for name, param in model.named_parameters():  # a tied weight once, under its first name
+        # A tied weight comes once, under its first name.
+        for name, param in model.named_parameters():
             full = weights.get(name)
             if full is None or full.shape != param.shape:
                 found = "missing" if full is None else f"of shape {list(full.shape)}"
@@ -349,7 +354,8 @@ def _local_rows(param: torch.Tensor) -> slice:
     ]
     if not shard:
         return slice(None)
-    rows, mesh = param.shape[0], param.device_mesh
+    rows = param.shape[0]
+    mesh = param.device_mesh
     per_rank = -(-rows // mesh.size(shard[0]))
     start = min(mesh.get_local_rank(shard[0]) * per_rank, rows)
     return slice(start, min(start + per_rank, rows))
@@ -361,12 +367,21 @@ def full_tensors(
     """Each state-dict tensor of `model` once (a tied weight under its first name) as (name, tensor,
     fetch): fetch() gathers the full tensor on `device`, one at a time, on every rank (a collective:
     all ranks fetch, in order)."""
-    entries, seen = [], set()
+    entries = []
+    seen = set()
     for name, tensor in model.state_dict(keep_vars=True).items():
         if id(tensor) not in seen:
             seen.add(id(tensor))
             entries.append((name, tensor, functools.partial(_full_tensor, tensor, device)))
     return entries
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Scale the gradients of `model` (sharded or not) to a global norm of at most max_norm (0: no
+    clipping). Returns the global norm before clipping over every rank's shards, a () tensor on the
+    device."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 @torch.no_grad()
@@ -383,17 +398,15 @@ def mix_into(target: nn.Module, source: nn.Module, alpha: float) -> None:
             )
         local = mine.to_local() if isinstance(mine, DTensor) else mine
         source_local = theirs.to_local() if isinstance(theirs, DTensor) else theirs
-        local.mul_(1 - alpha).add_(
-            source_local.to(local.device), alpha=alpha
-        )  # an offloaded source: from the host
+        # An offloaded source's shards come from the host.
+        local.mul_(1 - alpha).add_(source_local.to(local.device), alpha=alpha)
 
 
 def _full_tensor(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if not isinstance(tensor, DTensor):
         return tensor.detach().to(device)
-    local = (
-        tensor.to_local().detach().to(device)
-    )  # offloaded shards gather on the device, where nccl can
+    # Offloaded shards are gathered on the device, where nccl can.
+    local = tensor.to_local().detach().to(device)
     return DTensor.from_local(
         local, tensor.device_mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride()
     ).full_tensor()

@@ -53,9 +53,8 @@ class LoraConfig:
             raise ValueError(
                 "--export-merged needs --lora-rank (full fine-tuning always exports merged weights)"
             )
-        if (
-            self.lora_rank and importlib.util.find_spec("peft") is None
-        ):  # the one check; later imports are lazy
+        # The one check; peft is imported lazily where it is used.
+        if self.lora_rank and importlib.util.find_spec("peft") is None:
             raise ValueError("--lora-rank needs the peft package: pip install peft")
 
 
@@ -79,24 +78,22 @@ def add_adapters(
     )
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         torch.manual_seed(seed)
-        # peft asks transformers 5 for a renamed attribute; the warning is theirs, not the user's to
+        # A warning about peft's own use of a renamed transformers attribute: nothing the user can
         # act on.
         warnings.filterwarnings(
             "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
         )
         try:
             model = peft.get_peft_model(model, lora)
-        except (
-            ValueError
-        ) as e:  # peft's "Target modules {...} not found in the base model", as a one-liner
+        # peft's "Target modules {...} not found in the base model", as one line.
+        except ValueError as e:
             raise ValueError(
                 f"--lora-targets {' '.join(targets)}: {str(e).splitlines()[0]}"
             ) from None
         for module in model.modules():
             if isinstance(module, peft.tuners.lora.LoraLayer):
-                for name in (
-                    module.adapter_layer_names
-                ):  # peft put them on the base's device: made anew here
+                # peft made the adapters on the base's device (meta): made anew here, on the CPU.
+                for name in module.adapter_layer_names:
                     getattr(module, name).to_empty(device="cpu")
                 module.reset_lora_parameters("default", True)
     return model
@@ -149,10 +146,8 @@ class WithoutAdapters:
         self.model = model
 
     def __call__(self, *args, **kwargs):
-        trained, training = (
-            [p for p in self.model.parameters() if p.requires_grad],
-            self.model.training,
-        )
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        training = self.model.training
         with self.model.disable_adapter():
             # peft also sets the adapters' requires_grad to False in here. FSDP2 reads requires_grad
             # on its first forward to pick each group's gradient reduce dtype, and finding no
@@ -208,14 +203,13 @@ def merged_entries(model: nn.Module, entries: list) -> list:
 
 
 def _merged_weight(layer: nn.Module, prefix: str, fetches: dict) -> torch.Tensor:
-    a, b = (
-        fetches[f"{prefix}.lora_A.default.weight"](),
-        fetches[f"{prefix}.lora_B.default.weight"](),
-    )
+    # Gathers, in the same order on every rank: A, B, then the base weight.
+    a = fetches[f"{prefix}.lora_A.default.weight"]()
+    b = fetches[f"{prefix}.lora_B.default.weight"]()
     delta = layer.scaling["default"] * (b.float() @ a.float())  # (out, in)
-    return fetches[f"{prefix}.base_layer.weight"]().float() + (
-        delta.T if layer.fan_in_fan_out else delta
-    )
+    if layer.fan_in_fan_out:
+        delta = delta.T
+    return fetches[f"{prefix}.base_layer.weight"]().float() + delta
 
 
 def save_adapters(

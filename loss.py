@@ -40,6 +40,7 @@ References
 - TR-DPO: Gorbatovski et al. 2024, https://arxiv.org/abs/2404.09656 (fsdp_setup.mix_into).
 """
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -71,34 +72,25 @@ IGNORE_INDEX = -100
 # The fused output layer runs on GPUs, where memory is what runs out (long pairs); on a CPU its
 # recomputation in backward costs more time than the memory it saves is worth (BENCHMARKS.md).
 FUSED_HEAD_ON_CPU = False
-_REFERENCE_FREE = {"simpo", "sft"}  # losses that never look at a reference model
-_AVERAGED = {"simpo", "dpo_norm"}  # losses defined on length-averaged log-probs
-_F_DIVERGENCE = {
-    "dpo",
-    "dpo_norm",
-    "ipo",
-    "hinge",
-    "robust",
-    "exo_pair",
-    "discopop",
-    "sft",
-}  # f-DPO's loss forms
-_LOGIT_EXTRAS = (
-    "final_logit_softcapping",
-    "logit_scale",
-    "logits_scaling",
-)  # model configs that reshape logits
+# Losses that never look at a reference model.
+_REFERENCE_FREE = {"simpo", "sft"}
+# Losses defined on length-averaged log-probs.
+_AVERAGED = {"simpo", "dpo_norm"}
+# The losses f-DPO has a form for.
+_F_DIVERGENCE = {"dpo", "dpo_norm", "ipo", "hinge", "robust", "exo_pair", "discopop", "sft"}
+# Model config fields that reshape the logits after the output layer: its result must stay logits.
+_LOGIT_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 @dataclass
 class LossConfig:
     loss: tuple[LossType, ...] = ()
-    """dpo (the default; cDPO with --label-smoothing), a DPO-family loss (see loss.py), or sft
-    (chosen token-mean NLL). Repeat for a weighted sum (TRL's loss_type list; MPO: --loss dpo --loss
-    bco_pair --loss sft). simpo and sft are reference-free."""
+    """dpo (when none is given; cDPO with --label-smoothing), a DPO-family loss (see loss.py), or
+    sft (chosen token-mean NLL). Repeat for a weighted sum (TRL's loss_type list; MPO: --loss dpo
+    --loss bco_pair --loss sft). simpo and sft are reference-free."""
     loss_weights: tuple[float, ...] = ()
-    """One weight per --loss, in order (default 1 each): the loss is the weighted sum of each loss's
-    batch mean. RPO is --loss dpo --loss sft --loss-weights 1 --loss-weights alpha."""
+    """One weight per --loss, in order (1 each when none is given): the loss is the weighted sum of
+    each loss's batch mean. RPO is --loss dpo --loss sft --loss-weights 1 --loss-weights alpha."""
     beta: float = 0.1
     """Inverse temperature: how far the policy may move from the reference (DPO's beta)."""
     label_smoothing: float = 0.0
@@ -142,12 +134,18 @@ class LossConfig:
     """TR-DPO's period, in optimizer steps."""
 
     def __post_init__(self):
-        for name in self.losses:
+        # Resolved in place, so that every reader sees the list itself. A string, from Python, is
+        # one loss; none given is dpo, and no weights given is 1 each.
+        if isinstance(self.loss, str):
+            self.loss = (self.loss,)
+        self.loss = tuple(self.loss) or ("dpo",)
+        self.loss_weights = tuple(self.loss_weights) or (1.0,) * len(self.loss)
+        for name in self.loss:
             if name not in get_args(LossType):
                 raise ValueError(f"--loss {name!r} is not one of {', '.join(get_args(LossType))}")
-        if len(self.weights) != len(self.losses):
+        if len(self.loss_weights) != len(self.loss):
             raise ValueError(
-                f"--loss-weights: {len(self.loss_weights)} weights for {len(self.losses)} --loss"
+                f"--loss-weights: {len(self.loss_weights)} weights for {len(self.loss)} --loss"
             )
         if not self.beta > 0:
             raise ValueError(f"--beta must be > 0, got {self.beta}")
@@ -159,20 +157,20 @@ class LossConfig:
             raise ValueError(
                 "--use-weighting and --ld-alpha weigh pairs: they need a preference --loss"
             )
-        if self.ld_alpha is not None and not (0 <= self.ld_alpha <= 1 and "sft" not in self.losses):
+        if self.ld_alpha is not None and not (0 <= self.ld_alpha <= 1 and "sft" not in self.loss):
             raise ValueError(
                 "--ld-alpha must be in [0, 1] and goes without --loss sft (whose NLL takes plain "
-                f"log-probs), got {self.ld_alpha} with --loss {' '.join(self.losses)}"
+                f"log-probs), got {self.ld_alpha} with --loss {' '.join(self.loss)}"
             )
-        if self.use_weighting and {"aot", "aot_pair"} & set(self.losses):
+        if self.use_weighting and {"aot", "aot_pair"} & set(self.loss):
             raise ValueError(
                 "--use-weighting: aot and aot_pair sort pairs across the batch, so weights would "
                 "not meet their own pair's loss"
             )
-        if self.f_divergence_type != "reverse_kl" and not set(self.losses) <= _F_DIVERGENCE:
+        if self.f_divergence_type != "reverse_kl" and not set(self.loss) <= _F_DIVERGENCE:
             raise ValueError(
                 f"--f-divergence-type {self.f_divergence_type} goes only with --loss "
-                f"{', '.join(sorted(_F_DIVERGENCE))}, got {' '.join(self.losses)}"
+                f"{', '.join(sorted(_F_DIVERGENCE))}, got {' '.join(self.loss)}"
             )
         if self.sync_ref_model and (self.ref == "precompute" or self.reference_free):
             raise ValueError(
@@ -186,24 +184,14 @@ class LossConfig:
             )
 
     @property
-    def losses(self) -> tuple[str, ...]:
-        return (
-            (self.loss,) if isinstance(self.loss, str) else tuple(self.loss) or ("dpo",)
-        )  # a str from Python
-
-    @property
-    def weights(self) -> tuple[float, ...]:
-        return tuple(self.loss_weights) or (1.0,) * len(self.losses)
-
-    @property
     def reference_free(self) -> bool:
-        return set(self.losses) <= _REFERENCE_FREE
+        return set(self.loss) <= _REFERENCE_FREE
 
     @property
     def pairwise(self) -> bool:
         """False for sft alone, which scores the chosen responses only: no rejected log-probs,
         rewards or margins."""
-        return self.losses != ("sft",)
+        return self.loss != ("sft",)
 
     def averages(self, loss_type: str) -> bool:
         """True when `loss_type` takes per-token mean log-probs instead of sums."""
@@ -225,24 +213,23 @@ def sequence_logps(
             f"{labels.device} must agree on (B, T) and device"
         )
     batch, length = labels.shape
-    mask = labels[:, 1:] != IGNORE_INDEX  # (B, T-1): position t of the logits scores label t+1
-    rows, cols = mask.nonzero(as_tuple=True)  # (N,) each: the counted positions
+    # Position t of the logits scores label t + 1.
+    mask = labels[:, 1:] != IGNORE_INDEX  # (B, T-1)
+    rows, cols = mask.nonzero(as_tuple=True)  # (N,) each
     flat = logits.reshape(batch * length, -1)  # (B * T, V), a view
-    token_logps = _TokenLogps.apply(
-        flat, rows * length + cols, labels[:, 1:][mask], None, False
-    )  # (N,) float32
-    # Each row's tokens are consecutive: summed in order, without index_add_'s atomics, so same
-    # inputs, same bits.
-    total = torch.segment_reduce(
-        token_logps, "sum", lengths=mask.sum(-1), unsafe=True, initial=0
-    )  # (B,)
-    return total / mask.sum(-1).clamp(min=1) if average else total
+    token_logps = _TokenLogps.apply(flat, rows * length + cols, labels[:, 1:][mask], None, False)
+    # Each row's tokens are consecutive: summed in order, without index_add_'s atomics, so the same
+    # inputs give the same bits.
+    total = torch.segment_reduce(token_logps, "sum", lengths=mask.sum(-1), unsafe=True, initial=0)
+    if average:
+        return total / mask.sum(-1).clamp(min=1)
+    return total
 
 
 def _chunk_rows(vocab: int, device: torch.device, matmul: bool = False) -> int:
-    # Rows per float32 (rows, V) chunk. A log-softmax alone on a CPU: a chunk small enough to stay
-    # in cache. With the output layer's matmul, or on a GPU: large, as small matmuls are slow (at V
-    # = 128k, hundreds of rows).
+    """Rows per float32 (rows, V) chunk. A log-softmax alone on a CPU: a chunk small enough to stay
+    in cache. With the output layer's matmul, or on a GPU: large, as small matmuls are slow (at V =
+    128k, hundreds of rows)."""
     if device.type == "cpu" and not matmul:
         return max(1, 2**20 // vocab)
     return max(1, 2**26 // vocab)
@@ -258,13 +245,11 @@ class _TokenLogps(torch.autograd.Function):
     (WPO's), from the same logits, which get no gradient through them."""
 
     @staticmethod
-    def forward(
-        ctx, x, index, targets, weight, squares
-    ):  # (M, V) or (M, H); (N,) or None; (N,); (V, H) or None
+    def forward(ctx, x, index, targets, weight, squares):
+        """x: (M, V) logits or (M, H) hidden states; index: (N,) or None; targets: (N,); weight:
+        (V, H) or None; squares: bool."""
         n = len(targets)
-        chunk = _chunk_rows(
-            x.shape[-1] if weight is None else len(weight), x.device, matmul=weight is not None
-        )
+        chunk = _chunk_rows(_vocab(x, weight), x.device, matmul=weight is not None)
         out = torch.empty(2 * n if squares else n, dtype=torch.float32, device=x.device)
         lse = torch.empty(n, dtype=torch.float32, device=x.device)
         for i in range(0, n, chunk):
@@ -272,7 +257,8 @@ class _TokenLogps(torch.autograd.Function):
             logits = _chunk_logits(x, index, weight, i, end).float()  # (end - i, V)
             lse[i:end] = logits.logsumexp(-1)
             out[i:end] = logits.gather(-1, targets[i:end, None]).squeeze(-1) - lse[i:end]
-            if squares:  # log sum p^2 = logsumexp(2 logits) - 2 lse
+            if squares:
+                # log sum_v p(v)^2 = logsumexp(2 logits) - 2 lse
                 out[n + i : n + end] = (2 * logits).logsumexp(-1) - 2 * lse[i:end]
         ctx.save_for_backward(x, index, targets, weight, lse)
         return out
@@ -280,36 +266,41 @@ class _TokenLogps(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, index, targets, weight, lse = ctx.saved_tensors
-        grad = grad[: len(targets)]  # not through the squares
-        chunk = _chunk_rows(
-            x.shape[-1] if weight is None else len(weight), x.device, matmul=weight is not None
-        )
-        grad_x, grad_weight = torch.zeros_like(x), None
+        # No gradient flows through the squares (WPO's weights).
+        grad = grad[: len(targets)]
+        chunk = _chunk_rows(_vocab(x, weight), x.device, matmul=weight is not None)
+        grad_x = torch.zeros_like(x)
+        grad_weight = None
         for i in range(0, len(targets), chunk):
-            rows = slice(i, i + chunk) if index is None else index[i : i + chunk]
+            rows = slice(i, i + chunk)
+            if index is not None:
+                rows = index[i : i + chunk]
             g = grad[i : i + chunk, None]
-            # Out of place first: without weight or index the chunk is a view of x, which must stay
-            # as it was.
-            d = (
-                _chunk_logits(x, index, weight, i, i + chunk)
-                .float()
-                .sub(lse[i : i + chunk, None])
-                .exp_()
-                .mul_(-g)
-            )
-            d = d.scatter_add_(-1, targets[i : i + chunk, None], g).to(
-                x.dtype
-            )  # d/dlogits, (chunk, V)
+            # d/dlogits = g * (onehot(target) - softmax), (chunk, V). Out of place first: without
+            # weight or index the chunk is a view of x, which must stay as it was.
+            logits = _chunk_logits(x, index, weight, i, i + chunk)
+            d = logits.float().sub(lse[i : i + chunk, None]).exp_().mul_(-g)
+            d = d.scatter_add_(-1, targets[i : i + chunk, None], g).to(x.dtype)
             if weight is None:
                 grad_x[rows] = d
                 continue
             grad_x[rows] = d @ weight
             if ctx.needs_input_grad[3]:
-                part = d.T @ x[rows]  # (V, H), in x's dtype: one float32 (V, H) buffer in all
-                grad_weight = part.float() if grad_weight is None else grad_weight.add_(part)
+                # (V, H) in x's dtype, summed into one float32 (V, H) buffer in all.
+                part = d.T @ x[rows]
+                if grad_weight is None:
+                    grad_weight = part.float()
+                else:
+                    grad_weight.add_(part)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_x, None, None, grad_weight, None
+
+
+def _vocab(x: torch.Tensor, weight: torch.Tensor | None) -> int:
+    if weight is None:
+        return x.shape[-1]
+    return len(weight)
 
 
 def _chunk_logits(x, index, weight, start: int, end: int) -> torch.Tensor:
@@ -322,37 +313,64 @@ def _chunk_logits(x, index, weight, start: int, end: int) -> torch.Tensor:
     return rows if weight is None else rows @ weight.T
 
 
+@dataclass
+class _Scoring:
+    """What ScoredHead.scoring asks of the output layer, and what it gives back."""
+
+    index: torch.Tensor
+    """(N,) flat (rows * T) positions, each one's hidden state predicting a scored token."""
+    targets: torch.Tensor
+    """(N,) the scored tokens."""
+    squares: bool
+    """Also each position's log sum_v p(v)^2 (WPO)."""
+    logps: torch.Tensor | None = None
+    """What the fused layer computed: (N,) float32 log-probs; with squares (2N,), the squares'
+    after them."""
+
+
 class ScoredHead(nn.Linear):
     """A causal LM's linear output layer that can score response tokens alone (see add_scored_head).
-    Called as usual it returns logits (generation, Hugging Face's own loss). While `score` holds
-    (index, targets, squares), index and targets (N,) as in a batches.PairBatch, it projects only
-    the N hidden states at `index` of its flattened (rows * T, H) input (no prompt or padding),
-    fused into the chunked log-softmax (_TokenLogps, which takes `squares`): (N,) float32 log-probs,
-    no (N, V) logits. Unfused (on a CPU, see FUSED_HEAD_ON_CPU; or with a bias or a config that
-    reshapes logits, such as Gemma 2's soft-capping) it returns (N, V) logits, for response_logps to
-    score."""
+    Called as usual it returns logits (generation, Hugging Face's own loss). Inside scoring(), it
+    projects only the N hidden states of its flattened (rows * T, H) input that predict scored
+    tokens (no prompt or padding), fused into the chunked log-softmax: (N,) float32 log-probs, and
+    no (N, V) logits at all. Unfused (on a CPU, see FUSED_HEAD_ON_CPU; or with a bias, or a config
+    that reshapes logits after the layer, such as Gemma 2's soft-capping), it returns those N
+    positions' (N, V) logits, which the model finishes as usual."""
 
     def __init__(self, head: nn.Linear, fusable: bool):
         super().__init__(
             head.in_features, head.out_features, bias=head.bias is not None, device="meta"
         )
-        self.weight, self.bias = (
-            head.weight,
-            head.bias,
-        )  # the same parameters: ties and state-dict names kept
+        # The same parameters: ties and state-dict names are kept.
+        self.weight = head.weight
+        self.bias = head.bias
         self.fusable = fusable
-        self.score = None
+        self._scoring = None
+
+    @contextlib.contextmanager
+    def scoring(self, index: torch.Tensor, targets: torch.Tensor, squares: bool = False):
+        """Score the tokens `targets` (N,) predicted at flat positions `index` (N,), as in a
+        batches.PairBatch, in the model's forwards inside; yields a record whose .logps the fused
+        layer fills: (N,) float32 log-probs, and with `squares` (2N,), each position's log sum_v
+        p(v)^2 after them. Unfused, .logps stays None and the model's logits are (N, V)."""
+        self._scoring = _Scoring(index, targets, squares)
+        try:
+            yield self._scoring
+        finally:
+            self._scoring = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.score is None:
+        request = self._scoring
+        if request is None:
             return super().forward(hidden)
-        index, targets, squares = self.score
-        scored = hidden.flatten(0, 1)[index]  # (N, H)
-        if self.fusable and (FUSED_HEAD_ON_CPU or scored.device.type != "cpu"):
-            return _TokenLogps.apply(
-                scored, None, targets, self.weight, squares
-            )  # (N,) float32, squares: (2N,)
-        return super().forward(scored)  # (N, V)
+        scored = hidden.flatten(0, 1)[request.index]  # (N, H)
+        fused = self.fusable and (FUSED_HEAD_ON_CPU or scored.device.type != "cpu")
+        if not fused:
+            return super().forward(scored)  # (N, V)
+        request.logps = _TokenLogps.apply(
+            scored, None, request.targets, self.weight, request.squares
+        )
+        return request.logps
 
 
 def add_scored_head(model: nn.Module) -> nn.Module:
@@ -380,36 +398,32 @@ def response_logps(model, batch, ld_alpha: float | None = None, weighting: bool 
         raise ValueError(
             f"{type(head).__name__} is not a ScoredHead: call loss.add_scored_head(model) first"
         )
-    head.score = (batch.score_index, batch.score_targets, weighting)
-    try:
-        out = model(
-            input_ids=batch.input_ids, use_cache=False
-        ).logits  # (N,) log-probs (weighting: (2N,)), or (N, V)
-    finally:
-        head.score = None
-    if out.dim() == 2:
-        out = _TokenLogps.apply(out, None, batch.score_targets, None, weighting)
-    n, lengths = len(batch.score_targets), batch.response_lengths
-    token_logps = out[:n]
+    with head.scoring(batch.score_index, batch.score_targets, weighting) as scored:
+        output = model(input_ids=batch.input_ids, use_cache=False)
+    # Fused, the head scored the tokens itself; unfused, the model's logits are the (N, V) of the
+    # scored positions, as the model made them.
+    # (N,) log-probs; with weighting (2N,), the squares after them.
+    values = scored.logps
+    if values is None:
+        values = _TokenLogps.apply(output.logits, None, batch.score_targets, None, weighting)
+    n = len(batch.score_targets)
+    lengths = batch.response_lengths
+    token_logps = values[:n]
     if ld_alpha is not None:
-        # A row's tokens from its start + the pair's shared length on are the tail; on the device,
-        # no host sync.
+        # A row's tokens from its start + the pair's shared length on are its tail. Computed on
+        # the device: no host sync.
         shared = torch.minimum(*lengths.chunk(2)).repeat(2)  # (rows,)
-        tail_start = (lengths.cumsum(0) - lengths + shared).repeat_interleave(
-            lengths, output_size=n
-        )  # (N,)
-        token_logps = torch.where(
-            torch.arange(n, device=out.device) >= tail_start, ld_alpha * token_logps, token_logps
-        )
-    logps = torch.segment_reduce(
-        token_logps, "sum", lengths=lengths, unsafe=True, initial=0
-    )  # in order
+        starts = lengths.cumsum(0) - lengths + shared
+        tail_start = starts.repeat_interleave(lengths, output_size=n)  # (N,)
+        in_tail = torch.arange(n, device=values.device) >= tail_start
+        token_logps = torch.where(in_tail, ld_alpha * token_logps, token_logps)
+    sums = torch.segment_reduce(token_logps, "sum", lengths=lengths, unsafe=True, initial=0)
     if not weighting:
-        return logps
-    aligned = torch.segment_reduce(
-        (out[:n] - out[n:]).detach(), "sum", lengths=lengths, unsafe=True, initial=0
-    )
-    return logps, aligned / lengths.clamp(min=1)
+        return sums
+    # WPO: log p(token) - log sum_v p(v)^2, averaged over each row's tokens.
+    aligned = (values[:n] - values[n:]).detach()
+    log_weights = torch.segment_reduce(aligned, "sum", lengths=lengths, unsafe=True, initial=0)
+    return sums, log_weights / lengths.clamp(min=1)
 
 
 def pair_logps(
@@ -420,15 +434,13 @@ def pair_logps(
     rows, the rejected 0), and the reference's: `ref_logps` when given (precomputed), else the
     `reference` model's (no gradient), else None (a reference-free loss); and with --use-weighting
     the policy's (2B,) log-weights (response_logps), else None."""
-    if (
-        ref_logps is None and reference is not None
-    ):  # first, so its activations are freed before the policy's exist
+    # The reference first, so that its activations are freed before the policy's exist.
+    if ref_logps is None and reference is not None:
         with torch.no_grad():
             ref_logps = response_logps(reference, batch, objective.ld_alpha)
     if not objective.pairwise:
-        chosen = response_logps(
-            policy, batch.chosen()
-        )  # SFT: running the rejected rows would double the cost
+        # SFT scores the chosen rows alone: the rejected ones would double the cost.
+        chosen = response_logps(policy, batch.chosen())
         return torch.cat([chosen, torch.zeros_like(chosen)]), ref_logps, None
     if objective.use_weighting:
         logps, log_weights = response_logps(policy, batch, objective.ld_alpha, weighting=True)
@@ -452,21 +464,25 @@ def pair_loss(
     for f-DPO. response_lengths: (2B,) tokens per response, for losses on mean log-probs.
     tokens_per_pair: the batch's mean chosen tokens per pair, for sft's NLL. log_weights: (2B,)
     WPO's (pair_logps), or None; each pair's loss is scaled by exp(its chosen + rejected)."""
-    scores, ref_scores = logps, ref_logps
-    if (
-        objective.f_divergence_type != "reverse_kl" and ref_logps is not None
-    ):  # f' of the summed log-ratios
+    scores = logps
+    ref_scores = ref_logps
+    if objective.f_divergence_type != "reverse_kl" and ref_logps is not None:
+        # f-DPO: f' of the summed log-ratios takes the log-ratios' place.
         scores = _f_prime(
             logps - ref_logps, objective.f_divergence_type, objective.f_alpha_divergence_coef
         )
         ref_scores = torch.zeros_like(scores)
-    shown = next(
-        (name for name in objective.losses if name != "sft"), "sft"
-    )  # whose rewards and log-probs are logged
-    losses, out = 0.0, {}
-    for loss_type, weight in zip(objective.losses, objective.weights):
-        per_token = response_lengths.clamp(min=1) if objective.averages(loss_type) else 1
-        refs = (None, None) if ref_scores is None else (ref_scores / per_token).chunk(2)
+    # The loss whose rewards and log-probs are logged: the first preference loss.
+    shown = next((name for name in objective.loss if name != "sft"), "sft")
+    losses = 0.0
+    out = {}
+    for loss_type, weight in zip(objective.loss, objective.loss_weights):
+        per_token = 1
+        if objective.averages(loss_type):
+            per_token = response_lengths.clamp(min=1)
+        refs = (None, None)
+        if ref_scores is not None:
+            refs = (ref_scores / per_token).chunk(2)
         part, chosen_rewards, rejected_rewards = preference_loss(
             *(scores / per_token).chunk(2),
             *refs,
@@ -488,9 +504,8 @@ def pair_loss(
                 "rejected_logps": rejected,
             }
     if log_weights is not None:
-        losses = (
-            losses * log_weights.view(2, -1).sum(0).exp()
-        )  # (2B,) -> (2, B): w_chosen * w_rejected
+        # WPO: each pair's loss times w_chosen * w_rejected.
+        losses = losses * log_weights.view(2, -1).sum(0).exp()  # (2B,) -> (2, B) -> (B,)
     return {"losses": losses, **out}
 
 
@@ -552,9 +567,12 @@ def preference_loss(
         if loss_type not in _REFERENCE_FREE:
             raise ValueError(f"loss {loss_type!r} needs reference log-probs")
         ref_chosen_logps = ref_rejected_logps = torch.zeros_like(policy_chosen_logps)
-    pc, pr = policy_chosen_logps.float(), policy_rejected_logps.float()
-    rc, rr = ref_chosen_logps.float(), ref_rejected_logps.float()
-    c, r = pc - rc, pr - rr  # (B,)
+    pc = policy_chosen_logps.float()
+    pr = policy_rejected_logps.float()
+    rc = ref_chosen_logps.float()
+    rr = ref_rejected_logps.float()
+    c = pc - rc
+    r = pr - rr
     h = c - r
     z = beta * h
     eps = label_smoothing
@@ -611,15 +629,14 @@ def chosen_nll(chosen_logps: torch.Tensor, tokens_per_pair: float) -> torch.Tens
 
 
 def _f_prime(log_ratio: torch.Tensor, kind: str, alpha: float) -> torch.Tensor:
-    """f-DPO's f'(u) at u = pi / pi_ref, from log u, as TRL computes it (reverse_kl: log u, without
-    f-DPO's + 1)."""
-    if kind == "forward_kl":  # f'(u) = 1 - 1 / u
+    """f-DPO's f'(u) at u = pi / pi_ref, from log u, as TRL computes it: forward_kl 1 - 1 / u,
+    js_divergence log(2u / (1 + u)), alpha_divergence (u^(alpha - 1) - 1) / (alpha - 1) with the
+    exponential kept finite, reverse_kl log u (without f-DPO's + 1)."""
+    if kind == "forward_kl":
         return 1 - torch.exp(-log_ratio)
-    if kind == "js_divergence":  # f'(u) = log(2u / (1 + u))
+    if kind == "js_divergence":
         return math.log(2) + F.logsigmoid(log_ratio)
-    if (
-        kind == "alpha_divergence" and abs(alpha - 1) >= 1e-6
-    ):  # (u^(alpha - 1) - 1) / (alpha - 1), exp kept finite
+    if kind == "alpha_divergence" and abs(alpha - 1) >= 1e-6:
         return (torch.exp(((alpha - 1) * log_ratio).clamp(max=80)) - 1) * (1 / (alpha - 1))
     return log_ratio
 

@@ -3,11 +3,14 @@ W&B.
 
 Copyable on its own: imports only the standard library and torch.
 
-    sums += pair_stats(out).sum(0)  # per micro-batch, no host sync; all-reduced once per step
-    row = pair_means(sums, n_pairs)  # {"loss": ..., "rewards/accuracies": ..., ...}
+    sums = StepSums(device)
+    for batch in micro_batches:  # no host sync in the loop
+        sums.add(out, batch_counts(coefficients, True, 3, True, batch))  # out: loss.pair_loss's
+    sums.all_reduce()  # once per step
+    stats = StepStats(**sums.totals(n_pairs), grad_norm=1.2, skipped=False, ...)
     log = RunLog("runs/x", resume_step=0, samples=True)
     log.wandb = open_wandb(project, config, out_dir)  # to W&B too
-    log.write({"step": 1, "split": "train", **row})  # metrics.jsonl (rank 0)
+    log.write(stats.row(step, lr, seconds, n_pairs, group_peak_flops(device, "bf16")))
     log.close()  # and metrics.png
 """
 
@@ -15,6 +18,7 @@ import json
 import os
 import resource
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -33,7 +37,8 @@ PAIR_METRICS = (
 def pair_stats(out: dict) -> torch.Tensor:
     """(B, 7): each pair's PAIR_METRICS from pair_loss's (B,) tensors. Sum them on the device;
     reduce once a step."""
-    cr, rr = out["chosen_rewards"], out["rejected_rewards"]
+    cr = out["chosen_rewards"]
+    rr = out["rejected_rewards"]
     return torch.stack(
         [
             out["losses"].detach(),
@@ -55,33 +60,74 @@ def pair_means(sums: torch.Tensor, count: float, pairwise: bool = True) -> dict:
     return {k: v / count for k, v in zip(PAIR_METRICS, sums.tolist()) if k in keys}
 
 
-def step_metrics(
-    sums: torch.Tensor,
-    peaks: torch.Tensor,
-    seconds: float,
-    batch_size: int,
-    pairwise: bool,
-    world: int,
-    device: torch.device,
-    precision: str,
-) -> dict:
-    """A train row from a step's reduced sums [PAIR_METRICS..., tokens, token slots, FLOPs] and
-    maxima [peak memory]."""
-    tokens, slots, flops = sums[-3:].tolist()
-    peak = (
-        device_peak_flops(torch.cuda.get_device_name(device), precision)
-        if device.type == "cuda"
-        else None
-    )
-    return {
-        **pair_means(sums[:-3], batch_size, pairwise),
-        "tokens_per_s": tokens / seconds,
-        "pairs_per_s": batch_size / seconds,
-        "padding_efficiency": tokens / slots,
-        "flops": flops,
-        "peak_mem_gb": peaks[0].item(),
-        **({"mfu": flops / seconds / (world * peak)} if peak else {}),
-    }
+class StepSums:
+    """One optimizer step's sums on the training device, in one tensor so that one all-reduce
+    carries them: each of PAIR_METRICS over the pairs, then batch_counts' tokens, token slots and
+    model FLOPs. Adding a micro-batch needs no host sync."""
+
+    def __init__(self, device: torch.device):
+        self._sums = torch.zeros(len(PAIR_METRICS) + 3, device=device)
+
+    def add(self, out: dict, counts: torch.Tensor) -> None:
+        """A micro-batch: pair_loss's (B,) tensors and its batch_counts (3,)."""
+        self._sums += torch.cat([pair_stats(out).sum(0), counts])
+
+    def all_reduce(self) -> None:
+        """The sums over every rank (a collective)."""
+        dist.all_reduce(self._sums)
+
+    def loss_is_finite(self) -> torch.Tensor:
+        """() bool on the device: whether the summed loss is finite."""
+        return torch.isfinite(self._sums[PAIR_METRICS.index("loss")])
+
+    def totals(self, pairs: int, pairwise: bool = True) -> dict:
+        """StepStats' "means" of PAIR_METRICS over `pairs` pairs (see pair_means), "tokens",
+        "token_slots" and "flops"."""
+        means = pair_means(self._sums[: len(PAIR_METRICS)], pairs, pairwise)
+        tokens, slots, flops = self._sums[len(PAIR_METRICS) :].tolist()
+        return {"means": means, "tokens": tokens, "token_slots": slots, "flops": flops}
+
+
+@dataclass
+class StepStats:
+    """One optimizer step, reduced over every rank: what train_dpo.train_step returns."""
+
+    means: dict[str, float]
+    """Each of PAIR_METRICS ("loss", "rewards/margins", ...): its mean over the global batch."""
+    tokens: float
+    """Real tokens the policy ran on."""
+    token_slots: float
+    """Token slots of the padded batches the policy ran on."""
+    flops: float
+    """Model FLOPs: the policy's forwards and backward, the reference's forward."""
+    grad_norm: float
+    """The global gradient norm, before clipping."""
+    skipped: bool
+    """A rank had a non-finite loss or gradient norm (or an fp16 overflow): no rank updated."""
+    peak_memory_gb: float
+    """The fullest rank's peak memory so far: GPU memory allocated, or host memory on a CPU."""
+    stop_requested: bool
+    """A rank received a stop signal (SIGTERM, SIGUSR1, SIGINT) by the step's end."""
+
+    def row(self, step: int, lr: float, seconds: float, pairs: int, peak_flops: float | None):
+        """The step's metrics.jsonl row: the means, throughput over `seconds`, padding efficiency,
+        memory, and MFU given every rank's peak FLOP/s (group_peak_flops)."""
+        row = {
+            "step": step,
+            "split": "train",
+            **self.means,
+            "grad_norm": self.grad_norm,
+            "lr": lr,
+            "skipped": self.skipped,
+            "tokens_per_s": self.tokens / seconds,
+            "pairs_per_s": pairs / seconds,
+            "padding_efficiency": self.tokens / self.token_slots,
+            "flops": self.flops,
+            "peak_mem_gb": self.peak_memory_gb,
+        }
+        if peak_flops:
+            row["mfu"] = self.flops / seconds / peak_flops
+        return row
 
 
 def flop_coefficients(model) -> tuple[float, float, float]:
@@ -89,14 +135,13 @@ def flop_coefficients(model) -> tuple[float, float, float]:
     of every matmul in the blocks (every expert's), b = attention's two (T x T) matmuls per layer, c
     = 2 per output-layer weight."""
     head = model.get_output_embeddings().weight
-    lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)} | {
-        id(head)
-    }
-    linear = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in lookups)
+    # Embeddings are lookups, and the output layer counts apart: on the scored tokens alone.
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    apart = embeddings | {id(head)}
+    linear = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in apart)
     c = model.config
-    width = c.num_attention_heads * (
-        getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    )
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    width = c.num_attention_heads * head_dim
     return 2.0 * linear, 4.0 * c.num_hidden_layers * width, 2.0 * head.numel()
 
 
@@ -156,7 +201,17 @@ _PEAK_FLOPS = {
 }
 
 
+def group_peak_flops(device: torch.device, precision: str) -> float | None:
+    """Every rank's dense peak FLOP/s together in `precision`, for MFU: None on a CPU or an unknown
+    GPU."""
+    if device.type != "cuda":
+        return None
+    peak = device_peak_flops(torch.cuda.get_device_name(device), precision)
+    return peak * dist.get_world_size() if peak else None
+
+
 def device_peak_flops(name: str, precision: str) -> float | None:
+    """One GPU's dense peak FLOP/s in `precision`, by the fragment of `name` it matches first."""
     for fragment, (half, single) in _PEAK_FLOPS.items():
         if fragment in name:
             return single if precision == "fp32" else half
@@ -169,13 +224,11 @@ def _rank0() -> bool:
 
 def sharded_line(model) -> str:
     params = list(model.parameters())
-    total, trained = (
-        sum(p.numel() for p in params),
-        sum(p.numel() for p in params if p.requires_grad),
-    )
-    line = f"{total / 1e6:.1f}M params" + (
-        f" ({trained / 1e6:.2f}M trained)" if trained < total else ""
-    )
+    total = sum(p.numel() for p in params)
+    trained = sum(p.numel() for p in params if p.requires_grad)
+    line = f"{total / 1e6:.1f}M params"
+    if trained < total:
+        line += f" ({trained / 1e6:.2f}M trained)"
     mesh = params[0].device_mesh.shape  # (ranks,), or HSDP's (replicas, shards)
     hsdp = f" as {mesh[0]} replicas x {mesh[1]} shards (HSDP)" if len(mesh) == 2 else ""
     where = f"on {params[0].device} ({dist.get_backend()})"
@@ -260,16 +313,15 @@ class RunLog:
     do nothing)."""
 
     def __init__(self, out_dir: str, resume_step: int, samples: bool):
-        rank0 = _rank0()
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, "metrics.jsonl")
-        self.metrics = open_log(self.path, resume_step) if rank0 else None
-        self.samples = (
-            open_log(os.path.join(out_dir, "samples.jsonl"), resume_step)
-            if rank0 and samples
-            else None
-        )
-        # an open_wandb run on rank 0, opened by the caller (where a failure reaches every rank)
+        self.metrics = None
+        self.samples = None
+        if _rank0():
+            self.metrics = open_log(self.path, resume_step)
+        if _rank0() and samples:
+            self.samples = open_log(os.path.join(out_dir, "samples.jsonl"), resume_step)
+        # An open_wandb run on rank 0, opened by the caller, where a failure reaches every rank.
         self.wandb = None
 
     def write_data(self, summaries: dict[str, dict], fresh: bool) -> None:

@@ -11,6 +11,7 @@ Copyable on its own: imports only the standard library, torch and transformers.
     key = model_identity("tiny", config, seed=0)  # what fixes its weights, for cache keys
 """
 
+import contextlib
 import glob
 import json
 import os
@@ -73,20 +74,28 @@ def build_model(config) -> torch.nn.Module:
     """The model with float32 parameters on the meta device (no memory, no init) and its buffers
     made for real on the CPU: non-persistent ones such as rotary frequency tables are computed at
     build time, in no weight file."""
+    with _parameters_on_meta():
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Inside, every parameter a module registers is moved to the meta device as it is registered,
+    before the layer initializes it, while buffers are made as usual, on the CPU: what accelerate's
+    init_empty_weights(include_buffers=False) does. (Under torch.device("meta"), computed buffers
+    such as rotary tables would be on meta too, and lost.) It replaces
+    torch.nn.Module.register_parameter, for every module, until the block ends."""
     register = torch.nn.Module.register_parameter
 
-    def on_meta(module, name, param):
-        if (
-            param is not None and not param.is_meta
-        ):  # a tie assigns a parameter already moved: keep it one
+    def register_on_meta(module, name, param):
+        # A tie registers a parameter that is on meta already: it must stay that same parameter.
+        if param is not None and not param.is_meta:
             param = torch.nn.Parameter(param.to("meta"), param.requires_grad)
         register(module, name, param)
 
-    torch.nn.Module.register_parameter = (
-        on_meta  # each layer's empty CPU tensor moves to meta before its init
-    )
+    torch.nn.Module.register_parameter = register_on_meta
     try:
-        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        yield
     finally:
         torch.nn.Module.register_parameter = register
 
@@ -120,24 +129,25 @@ def open_weights(name: str, config, seed: int) -> dict[str, torch.Tensor]:
     random init from `seed`."""
     if name == "tiny":
         torch.manual_seed(seed)
-        return transformers.AutoModelForCausalLM.from_config(
-            config, dtype=torch.float32
-        ).state_dict()
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return model.state_dict()
     weights = {}
     for path in find_weights(name):
         with open(path, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(size))
-        data = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)[
-            8 + size :
-        ]
+        # The whole file as bytes, memory-mapped; the tensors' data starts after the header.
+        file = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
+        data = file[8 + size :]
         for key, meta in header.items():
-            if key != "__metadata__":
-                (begin, end), dtype = meta["data_offsets"], _DTYPES[meta["dtype"]]
-                # A typed view needs aligned bytes, which writers other than this one need not give:
-                # then a copy.
-                piece = data[begin:end].clone() if begin % dtype.itemsize else data[begin:end]
-                weights[key] = piece.view(dtype).view(meta["shape"])
+            if key == "__metadata__":
+                continue
+            begin, end = meta["data_offsets"]
+            dtype = _DTYPES[meta["dtype"]]
+            # A typed view needs aligned bytes, which writers other than this one need not give:
+            # then a copy.
+            piece = data[begin:end].clone() if begin % dtype.itemsize else data[begin:end]
+            weights[key] = piece.view(dtype).view(meta["shape"])
     return weights
 
 
@@ -148,14 +158,14 @@ def save_pretrained(folder: str, model: torch.nn.Module, entries: list, dtype: t
     shape and dtype, and fetch() its full value. Every rank calls, as fetch may be a collective;
     rank 0 writes."""
     if dist.is_initialized() and dist.get_rank() > 0:
-        for _, _, fetch in entries:  # in rank 0's order
+        # The other ranks take part in each gather, in rank 0's order.
+        for _, _, fetch in entries:
             fetch()
         return
-    files, size, total = (
-        [[]],
-        0,
-        0,
-    )  # each file's (name, tensor, fetch, dtype written), a new file past 50 GB
+    # Each file's (name, tensor, fetch, dtype written); a new file past 50 GB.
+    files = [[]]
+    size = 0
+    total = 0
     for name, tensor, fetch in entries:
         out = dtype if tensor.is_floating_point() else tensor.dtype
         if files[-1] and size + tensor.numel() * out.itemsize > _FILE_BYTES:
@@ -165,24 +175,21 @@ def save_pretrained(folder: str, model: torch.nn.Module, entries: list, dtype: t
         size += tensor.numel() * out.itemsize
         total += tensor.numel() * out.itemsize
     os.makedirs(folder, exist_ok=True)
-    for old in glob.glob(
-        os.path.join(folder, "model*.safetensors*")
-    ):  # an earlier export's, maybe split otherwise
+    # An earlier export's files go, which may be split otherwise.
+    for old in glob.glob(os.path.join(folder, "model*.safetensors*")):
         os.remove(old)
-    model.config.dtype = dtype  # not the float32 masters' dtype: the export's
-    model.config.architectures = [
-        type(model).__name__.removeprefix("FSDP")
-    ]  # what vLLM builds; not FSDP2's class
+    # The export's dtype, not the float32 masters'; and the class vLLM builds, not FSDP2's.
+    model.config.dtype = dtype
+    model.config.architectures = [type(model).__name__.removeprefix("FSDP")]
     model.config.save_pretrained(folder)
-    model.generation_config.save_pretrained(folder)  # a causal LM's
+    model.generation_config.save_pretrained(folder)
     weight_map = {}
     for i, group in enumerate(files):
-        file = (
-            f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-            if len(files) > 1
-            else "model.safetensors"
-        )
-        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        file = "model.safetensors"
+        if len(files) > 1:
+            file = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        header = {"__metadata__": {"format": "pt"}}
+        offset = 0
         for name, tensor, _, out in group:
             header[name] = {
                 "dtype": _NAMES[out],
@@ -192,13 +199,15 @@ def save_pretrained(folder: str, model: torch.nn.Module, entries: list, dtype: t
             offset = header[name]["data_offsets"][1]
             weight_map[name] = file
         text = json.dumps(header).encode()
-        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+        # The data starts 8-byte aligned.
+        text += b" " * (-len(text) % 8)
         path = os.path.join(folder, file)
         with open(path + ".tmp", "wb") as f:
             f.write(len(text).to_bytes(8, "little") + text)
             for _, _, fetch, out in group:
                 f.write(fetch().to("cpu", out).contiguous().view(-1).view(torch.uint8).numpy())
-        os.replace(path + ".tmp", path)  # a file is whole or absent
+        # A rename: a file is whole or absent.
+        os.replace(path + ".tmp", path)
     if len(files) > 1:
         with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
@@ -210,9 +219,10 @@ def model_identity(name: str, config, seed: int) -> dict:
     if name == "tiny":
         return {"tiny": seed, "config": config.to_dict()}
     folder = os.path.expanduser(name)
-    names = (
-        sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-    )  # a hub id: its commit says it all
+    # A hub id has no folder here: its commit says it all.
+    names = []
+    if os.path.isdir(folder):
+        names = sorted(os.listdir(folder))
     files = [
         (f, os.path.getsize(os.path.join(folder, f)), os.path.getmtime(os.path.join(folder, f)))
         for f in names

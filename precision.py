@@ -50,16 +50,17 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class Precision:
-    name: str  # the resolved mode: fp32, bf16 or fp16 (never auto)
-    compute_dtype: torch.dtype  # of the gathered parameters, activations and logits
-    # FSDP2's: gather parameters in compute_dtype, reduce gradients in --reduce-dtype
+    name: str
+    """The resolved mode: fp32, bf16 or fp16 (never auto)."""
+    compute_dtype: torch.dtype
+    """The dtype of the gathered parameters, activations and logits."""
     mp_policy: MixedPrecisionPolicy
-    scaler: (
-        torch.amp.GradScaler
-    )  # fp16's dynamic loss scaling; disabled otherwise: scale, unscale_, step pass through
-    warning: str | None = (
-        None  # why this choice will be slow on this machine, to print once; None when it will not
-    )
+    """FSDP2's: gather parameters in compute_dtype, reduce gradients in --reduce-dtype."""
+    scaler: torch.amp.GradScaler
+    """fp16's dynamic loss scaling; disabled otherwise, where scale, unscale_ and step pass
+    through."""
+    warning: str | None = None
+    """Why this choice will be slow on this machine, to print once; None when it will not."""
 
 
 def resolve_precision(config: PrecisionConfig, device: torch.device) -> Precision:

@@ -92,14 +92,15 @@ def generate(
     parameters'; give it when they are offloaded to the host)."""
     device = device or next(model.parameters()).device
     width = max(len(p) for p in prompts)
-    input_ids = torch.tensor(
-        [[pad_id] * (width - len(p)) + p for p in prompts], device=device
-    )  # (B, P) left-padded
+    # Left-padded, (B, P): every prompt ends where generation starts.
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     generator = torch.Generator(device).manual_seed(seed)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    out, cache = [], None  # the new tokens, step by step; the KV cache
+    # The new tokens, step by step, and the KV cache.
+    out = []
+    cache = None
     was_training = model.training
     model.eval()
     for _ in range(max_new_tokens):
@@ -110,25 +111,25 @@ def generate(
             past_key_values=cache,
             use_cache=True,
         )
-        cache, logits = result.past_key_values, result.logits[:, -1].float()  # (B, V)
+        cache = result.past_key_values
+        logits = result.logits[:, -1].float()  # (B, V)
         if temperature > 0:
-            token = torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator)[
-                :, 0
-            ]
+            probs = (logits / temperature).softmax(-1)
+            token = torch.multinomial(probs, 1, generator=generator)[:, 0]
         else:
             token = logits.argmax(-1)
         token = token.masked_fill(done, pad_id)
         out.append(token)
         done |= token == eos_id
         all_done = done.all().float()
+        # Stop only when every rank is done.
         if dist.is_initialized():
-            dist.all_reduce(all_done, op=dist.ReduceOp.MIN)  # stop only when every rank is done
+            dist.all_reduce(all_done, op=dist.ReduceOp.MIN)
         if all_done.item():
             break
-        input_ids, positions = (
-            token[:, None],
-            positions[:, -1:] + 1,
-        )  # (B, 1): the cache holds the rest
+        # (B, 1): the cache holds the rest.
+        input_ids = token[:, None]
+        positions = positions[:, -1:] + 1
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
     model.train(was_training)
     rows = torch.stack(out, dim=1).tolist()  # (B, new tokens)

@@ -10,6 +10,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import io
 import json
 import math
 import os
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tokenize as pytokenize
 
 import pytest
 import safetensors.torch
@@ -36,7 +38,14 @@ import loss
 import metrics
 import models
 import precision
-from batches import build_batches, build_eval_batches, collate_pairs, pair_lengths, rank_share
+from batches import (
+    BatchConfig,
+    build_batches,
+    build_eval_batches,
+    collate_pairs,
+    pair_lengths,
+    rank_share,
+)
 from data import (
     DataConfig,
     DataError,
@@ -48,10 +57,11 @@ from data import (
     tokenize_to_cache,
     write_jsonl,
 )
-from demo import demo_pairs, score_completion
-from fsdp_setup import apply_ac, find_block_class, full_tensors
+from demo import demo_files, demo_pairs, score_completion
+from fsdp_setup import FSDPConfig, apply_ac, find_block_class, full_tensors
 from lora import LoraConfig, WithoutAdapters, initial_weights
 from loss import (
+    LossConfig,
     add_scored_head,
     pair_logps,
     pair_loss,
@@ -223,7 +233,7 @@ def torchrun(nproc, out, *args, script=None, device="cpu", env=None):
 
 RUNS = """
 import json, os, sys
-import data, train_dpo
+import data, fsdp_setup, train_dpo
 real, calls = data.tokenize_pairs, []
 
 def tokenize_pairs(*args, **kwargs):  # counted: which ranks tokenize
@@ -241,7 +251,7 @@ for argv in json.loads(sys.argv[1]):  # runs in turn, each with a process group 
     out_dir = argv[argv.index("--out-dir") + 1]
     with open(os.path.join(out_dir, f"run-{os.environ['RANK']}.json"), "w") as f:
         json.dump({"tokenize_calls": len(calls), "error": error}, f)
-train_dpo.exit_without_shutdown(0)
+fsdp_setup.exit_without_shutdown(0)
 """
 
 
@@ -398,10 +408,7 @@ def test_preference_loss_matches_hand_computed_values(loss_type):
     if loss_type != "sft":  # its loss is all in chosen_nll: nothing to differentiate here
         losses.sum().backward()
         assert all(torch.isfinite(x.grad).all() for x in inputs)
-    assert (
-        train_dpo.LossConfig(loss=loss_type if loss_type != "cdpo" else "dpo").reference_free
-        == free
-    )
+    assert LossConfig(loss=loss_type if loss_type != "cdpo" else "dpo").reference_free == free
     base_c, base_r = ([0.0] * n, [0.0] * n) if free else (rc, rr)
     assert cr.tolist() == pytest.approx([beta * (a - c) for a, c in zip(pc, base_c)], rel=1e-6)
     assert rj.tolist() == pytest.approx([beta * (b - d) for b, d in zip(pr, base_r)], rel=1e-6)
@@ -650,7 +657,7 @@ def test_padded_batch_log_probs_equal_unpadded_rows_and_the_head_sees_only_respo
 
     monkeypatch.setattr(torch.nn.Linear, "forward", record_linear)
     monkeypatch.setattr(loss._TokenLogps, "apply", staticmethod(record_logps))
-    out = forward_pairs(policy, None, batch, train_dpo.LossConfig(loss="simpo"))
+    out = forward_pairs(policy, None, batch, LossConfig(loss="simpo"))
     scored = sum(len(p[k]) for p in pairs for k in ("chosen", "rejected"))
     # Every scored token once, no prompt or padding position; fused, no (N, V) logits exist at all.
     if head == "fused":
@@ -745,7 +752,7 @@ def test_logged_flops_match_pytorch_flop_counter(loss, online, lora_rank):
     config._attn_implementation = (
         "eager"  # attention as matmuls, which the counter sees (CPU SDPA it does not)
     )
-    objective = train_dpo.LossConfig(loss=loss)
+    objective = LossConfig(loss=loss)
     cfg = train_dpo.Config(objective=objective, lora=LoraConfig(lora_rank=lora_rank))
     policy = train_dpo.prepare_model(cfg, tiny_model(config, 0))
     # LoRA: the reference is the policy with its adapters off, and the backward makes no base weight
@@ -770,19 +777,21 @@ def test_logged_flops_match_pytorch_flop_counter(loss, online, lora_rank):
         batch,
     )
     ours = counts[2].item()
-    # Equal on the CPU path; on a GPU the counter would also see the fused head recompute its logits
-    # in backward, which model FLOPs leave out.
-    assert ours == pytest.approx(counter.get_total_flops(), rel=0.1)
-    assert ours <= counter.get_total_flops()
+    # Equal on the CPU path (on a GPU the counter would also see the fused head recompute its
+    # logits in backward, which model FLOPs leave out). LoRA's model FLOPs count a backward of one
+    # forward's worth, where autograd also computes the adapters' weight gradients and attention's
+    # second input gradient, and skips the first block's input gradients: within 1%.
+    if lora_rank:
+        assert ours == pytest.approx(counter.get_total_flops(), rel=1e-2)
+    else:
+        assert ours == counter.get_total_flops()
 
 
 def test_step0_loss_is_ln2_and_rewards_zero():
     policy, tok = tiny(seed=3)
     reference = copy.deepcopy(policy).eval()
     pairs = tokenize(demo_pairs("train")[:6], tok, 128, 64)
-    out = forward_pairs(
-        policy, reference, collate_pairs(pairs, tok.pad_token_id), train_dpo.LossConfig()
-    )
+    out = forward_pairs(policy, reference, collate_pairs(pairs, tok.pad_token_id), LossConfig())
     torch.testing.assert_close(out["losses"], torch.full((6,), math.log(2)))
     assert out["chosen_rewards"].eq(0).all() and out["rejected_rewards"].eq(0).all()
 
@@ -1549,7 +1558,7 @@ def sharded_tiny(seed, precision="fp32", frozen=False, **fsdp):
     """The trainer's own path: parameters on the meta device, sharded, each rank's rows read from
     the weights."""
     config, tok = tiny_config()
-    cfg = train_dpo.Config(fsdp=train_dpo.FSDPConfig(**fsdp))
+    cfg = train_dpo.Config(fsdp=FSDPConfig(**fsdp))
 
     def make():
         return train_dpo.prepare_model(cfg, build_model(config))
@@ -1613,7 +1622,7 @@ def test_weights_load_from_several_bf16_files_and_export_in_several_files_tensor
             open_weights(str(tmp_path / "in"), config, 0),
             mp_policy,
             CPU,
-            train_dpo.FSDPConfig(),
+            FSDPConfig(),
         )
         with torch.no_grad():
             torch.testing.assert_close(
@@ -1648,7 +1657,7 @@ def test_weights_load_from_several_bf16_files_and_export_in_several_files_tensor
             open_weights(str(tmp_path / "out"), config, 0),
             mp_policy,
             CPU,
-            train_dpo.FSDPConfig(),
+            FSDPConfig(),
         )
         models.save_pretrained(
             str(tmp_path / "out"), model, full_tensors(model, CPU), torch.bfloat16
@@ -1688,7 +1697,7 @@ def test_a_folder_without_the_weights_the_model_needs_fails_with_one_line(tmp_pa
             open_weights(str(tmp_path), config, 0),
             MixedPrecisionPolicy(),
             CPU,
-            train_dpo.FSDPConfig(),
+            FSDPConfig(),
         )
 
 
@@ -1710,7 +1719,7 @@ def test_bf16_keeps_float32_masters_grads_optimizer_state_and_loss():
         batch = collate_pairs(tokenize(demo_pairs("train")[:2], tok, 64, 32), tok.pad_token_id)
         logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         assert logits.dtype == torch.bfloat16
-        out = forward_pairs(policy, reference, batch, train_dpo.LossConfig())
+        out = forward_pairs(policy, reference, batch, LossConfig())
         assert all(v.dtype == torch.float32 for v in out.values())
         loss = out["losses"].mean() - out["chosen_logps"].sum() * 0  # the loss itself is float32
         (loss - sequence_logps(logits, batch.labels).mean()).backward()
@@ -1767,19 +1776,22 @@ def test_compiled_blocks_train_like_eager_on_cpu(six_steps, tmp_path):
     too. Against the eager six_steps run's first 3 steps: their losses and gradients come before any
     update past the warmup, so the shorter schedule changes nothing in them (and checkpointing
     changes no math: tested above)."""
+    from torch._dynamo.utils import counters
+
     eager = read_metrics(six_steps[0])[:3]
-    compiled = read_metrics(
-        run(
-            tmp_path,
-            "compiled",
-            "--max-steps",
-            "3",
-            "--micro-batch-size",
-            "8",
-            "--activation-checkpointing",
-            "--compile",
-        )
+    counters.clear()
+    args = (
+        "--max-steps",
+        "3",
+        "--micro-batch-size",
+        "8",
+        "--activation-checkpointing",
+        "--compile",
     )
+    compiled = read_metrics(run(tmp_path, "compiled", *args))
+    # Dynamo captured the blocks' forward as graphs, and AOT autograd compiled their backward.
+    assert counters["stats"]["unique_graphs"] > 0 and counters["aot_autograd"]["ok"] > 0
+    assert not counters["graph_break"], dict(counters["graph_break"])
     assert [r["loss"] for r in compiled] == pytest.approx([r["loss"] for r in eager], rel=1e-4)
     assert compiled[-1]["grad_norm"] == pytest.approx(eager[-1]["grad_norm"], rel=1e-3)
 
@@ -1804,14 +1816,15 @@ def test_a_frozen_reference_reshards_even_with_no_reshard_after_forward():
 
 
 def test_gradient_accumulation_keeps_only_gradient_shards_unless_asked(tmp_path, monkeypatch):
-    held, real = [], train_dpo.pair_logps
+    held = []
+    real = loss.pair_logps
 
     def pair_logps(policy, *args, **kwargs):  # at each training micro-batch: is there a p.grad yet?
         if torch.is_grad_enabled():  # a training forward, not evaluation
             held.append({p.grad is not None for p in policy.parameters()})
         return real(policy, *args, **kwargs)
 
-    monkeypatch.setattr(train_dpo, "pair_logps", pair_logps)
+    monkeypatch.setattr(loss, "pair_logps", pair_logps)
     args = ("--max-steps", "2", "--micro-batch-size", "8")  # 2 micro-batches a step
     sharded = run(tmp_path, "sharded", *args)
     unsharded = run(tmp_path, "unsharded", *args, "--unsharded-grad-accumulation")
@@ -1898,7 +1911,7 @@ def test_tiny_run_learns_the_preference_and_exports_a_loadable_model(tmp_path):
             model.eval(),
             reference.eval(),
             collate_pairs(pairs, tok.pad_token_id),
-            train_dpo.LossConfig(),
+            LossConfig(),
         )
     assert out_pairs["losses"].mean().item() == pytest.approx(evals[-1]["loss"], rel=1e-4)
     accuracy = (out_pairs["chosen_rewards"] > out_pairs["rejected_rewards"]).float().mean().item()
@@ -1917,17 +1930,137 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     a = run(tmp_path, "a", "--max-steps", "3")
     b = run(tmp_path, "b", "--max-steps", "3", "--micro-batch-size", "4")
     for x, y in zip(read_metrics(a), read_metrics(b)):
-        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
+        for key in ("loss", "grad_norm", "lr"):
+            assert x[key] == pytest.approx(y[key], rel=1e-5), key
     wa, wb = load_safetensors(os.path.join(a, "final")), load_safetensors(os.path.join(b, "final"))
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=ADAM_ATOL)
+
+
+# ------------------------------------------------------------------------------ the step, by hand
+# The oracle's run: 3 steps of 16 pairs at a peak lr of 1e-3 after 2 warmup steps (trainer_args),
+# AdamW with weight decay 0.5, gradients clipped to a norm of 0.5 (step 1's is about 5), float32.
+ORACLE = dict(lr=1e-3, weight_decay=0.5, max_grad_norm=0.5)
+ORACLE_ARGS = (
+    *("--max-steps", "3", "--micro-batch-size", "4", "--precision", "fp32", "--lr", "1e-3"),
+    *("--weight-decay", "0.5", "--max-grad-norm", "0.5"),
+)
+# Linear warmup over 2 steps to the peak, (step + 1) / 3 of it, then the peak: the cosine decay to
+# a tenth starts at step 3, the last, where it has not moved yet.
+ORACLE_LRS = [1e-3 / 3, 2e-3 / 3, 1e-3]
+
+
+@pytest.fixture(scope="module")
+def plain_dpo():
+    """The oracle's 3 steps written plainly, on the trainer's demo pairs in the trainer's order:
+    the Hugging Face model whole, each response's log-prob from a float32 log_softmax over all the
+    logits of its own unpadded row, DPO's loss by its formula, mean over the batch, one backward,
+    torch's clip_grad_norm_, torch.optim.AdamW. Returns ({"loss", "grad_norm"}: per step, the
+    weights before, the weights after)."""
+    config, tok = tiny_config()
+    demo_train = demo_files(CACHE, write_jsonl)["train"]
+    tokens, _, _ = prepare_data(DataConfig(data=(demo_train,)), tok, CACHE)
+    order = build_batches(len(tokens), 16, seed=0, epoch=0, lengths=pair_lengths(tokens.lengths))
+    policy = tiny_model(config, seed=0).eval()
+    reference = copy.deepcopy(policy).requires_grad_(False)
+    before = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+    optimizer = torch.optim.AdamW(policy.parameters(), weight_decay=ORACLE["weight_decay"])
+
+    def logp(model, prompt, response):
+        logits = model(input_ids=torch.tensor([prompt + response])).logits[0]
+        log_probs = torch.log_softmax(logits.float(), -1)  # (T, V)
+        # The logits at t predict token t + 1.
+        at = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
+        return log_probs[at, torch.tensor(response)].sum()
+
+    steps = {"loss": [], "grad_norm": []}
+    for batch, lr in zip(order[:3], ORACLE_LRS):
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        total = 0.0
+        for i in batch:
+            pair = tokens[i]
+            margin = 0.0
+            for key, sign in (("chosen", 1), ("rejected", -1)):
+                with torch.no_grad():
+                    ref = logp(reference, pair["prompt"], pair[key])
+                margin = margin + sign * (logp(policy, pair["prompt"], pair[key]) - ref)
+            total = total - torch.nn.functional.logsigmoid(0.1 * margin)
+        loss = total / len(batch)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), ORACLE["max_grad_norm"])
+        optimizer.step()
+        optimizer.zero_grad()
+        steps["loss"].append(loss.item())
+        steps["grad_norm"].append(norm.item())
+    after = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+    return steps, before, after
+
+
+def _assert_update_close(weights, expected, before, rel):
+    """The weights within `rel` of the expected ones, measured against the size of the update
+    (weights after minus before): Adam's first steps move every weight by about lr, so a bound on
+    the weights alone would hide a wrong update."""
+    names = [k for k in expected if k in weights]
+    assert len(names) >= len(weights) - 1, set(weights) ^ set(expected)
+    error = sum((weights[k] - expected[k]).double().square().sum() for k in names) ** 0.5
+    update = sum((expected[k] - before[k]).double().square().sum() for k in names) ** 0.5
+    assert error < rel * update, (error, update)
+
+
+def test_train_step_matches_a_plain_dpo_loop(plain_dpo, tmp_path):
+    """train_step called directly, 3 times at hand-computed learning rates, on one rank with 4
+    micro-batches a step: the losses, the gradient norms before clipping (which binds) and the
+    weights of the plain loop. Dividing the loss by the micro-batch instead of the rank's pairs
+    changes the norms; ignoring the weight decay or the clipping changes the weights."""
+    import checkpoint
+
+    expected, before, after = plain_dpo
+    cfg = train_dpo.Config(
+        dataset=DataConfig(eval_data=(HELD_OUT,), cache_dir=CACHE),
+        batching=BatchConfig(batch_size=16, micro_batch_size=4, max_steps=3),
+        mixed_precision=PrecisionConfig("fp32", max_grad_norm=ORACLE["max_grad_norm"]),
+        fsdp=FSDPConfig(device="cpu"),
+        lr=ORACLE["lr"],
+        weight_decay=ORACLE["weight_decay"],
+        out_dir=str(tmp_path),
+    )
+    stop = checkpoint.StopRequest()
+    with world_of_one():
+        run_, optimizer = train_dpo.setup(cfg, CPU)
+        try:
+            stats = [
+                train_dpo.train_step(run_, optimizer, run_.steps(step), ORACLE_LRS[step], stop)
+                for step in range(3)
+            ]
+        finally:
+            stop.restore()
+        weights = full_state(run_.policy)
+    assert [s.means["loss"] for s in stats] == pytest.approx(expected["loss"], rel=2e-5)
+    assert [s.grad_norm for s in stats] == pytest.approx(expected["grad_norm"], rel=2e-5)
+    assert expected["grad_norm"][0] > 4 * ORACLE["max_grad_norm"]
+    assert not any(s.skipped or s.stop_requested for s in stats)
+    _assert_update_close(weights, after, before, rel=1e-4)
+
+
+def test_two_ranks_train_like_the_plain_dpo_loop(plain_dpo, two_ranks):
+    """The whole trainer on two ranks of 2 micro-batches each: the logged losses, gradient norms
+    and learning rates (get_lr against the hand-computed ones) and the exported weights."""
+    expected, before, after = plain_dpo
+    out = str(two_ranks[0]["oracle"])
+    rows = read_metrics(out)
+    assert [r["loss"] for r in rows] == pytest.approx(expected["loss"], rel=2e-5)
+    assert [r["grad_norm"] for r in rows] == pytest.approx(expected["grad_norm"], rel=2e-5)
+    assert [r["lr"] for r in rows] == pytest.approx(ORACLE_LRS, rel=1e-12)
+    _assert_update_close(load_safetensors(os.path.join(out, "final")), after, before, rel=1e-4)
 
 
 # -------------------------------------------------------------------------------------- checkpoints
 def _record_randomness(monkeypatch, cuda=False):
     """Draw from torch's and Python's generators (and this GPU's) at every training forward; return
     the draws."""
-    real, draws = train_dpo.pair_loss, []
+    real = loss.pair_loss
+    draws = []
 
     def pair_loss(*args, **kwargs):
         if torch.is_grad_enabled():  # a training micro-batch, not evaluation
@@ -1935,7 +2068,7 @@ def _record_randomness(monkeypatch, cuda=False):
             draws.append((torch.rand(1).item(), random.random(), *cuda_draw))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(train_dpo, "pair_loss", pair_loss)
+    monkeypatch.setattr(loss, "pair_loss", pair_loss)
     return draws
 
 
@@ -1956,21 +2089,34 @@ def six_steps(tmp_path_factory):
     return out, draws
 
 
+# What two runs of the same training log alike at each step: the pair metrics, and in training the
+# gradient norm and the learning rate.
+TRAIN_KEYS = (*PAIR_METRICS, "grad_norm", "lr")
+
+
+def _assert_same_rows(rows_a, rows_b, keys=TRAIN_KEYS, rel=1e-4, abs=1e-6):
+    """The same steps, each with the same `keys`: equal (rel=0) or within rel and abs."""
+    assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b] and rows_a
+    for x, y in zip(rows_a, rows_b):
+        for key in keys:
+            expected = y[key] if rel == 0 else pytest.approx(y[key], rel=rel, abs=abs)
+            assert x[key] == expected, (x["step"], key)
+
+
 def _assert_same_run(a, b, exact=True, keys=PAIR_METRICS, weight_atol=ADAM_ATOL):
-    """Same per-step train and eval metrics and the same exported tensors: bit for bit, or metrics
-    within 1e-4 and weights within weight_atol."""
+    """Same per-step train and eval metrics (`keys`; in training also the gradient norm and the
+    learning rate) and the same exported tensors: bit for bit, or metrics within 1e-4 and weights
+    within weight_atol."""
     assert [r["step"] for r in read_metrics(a)] == list(range(1, len(read_metrics(a)) + 1))
-    for split in ("train", "eval"):
-        rows_a, rows_b = read_metrics(a, split), read_metrics(b, split)
-        if split == "eval" and (rows_a[0]["step"] == 0) != (
-            rows_b[0]["step"] == 0
-        ):  # a resumed run skips step 0's
-            rows_a, rows_b = [r for r in rows_a if r["step"]], [r for r in rows_b if r["step"]]
-        assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b] and rows_a
-        for x, y in zip(rows_a, rows_b):
-            for key in keys:
-                expected = y[key] if exact else pytest.approx(y[key], rel=1e-4, abs=1e-6)
-                assert x[key] == expected, (split, x["step"], key)
+    rel = 0 if exact else 1e-4
+    _assert_same_rows(read_metrics(a), read_metrics(b), [*keys, "grad_norm", "lr"], rel)
+    evals_a = read_metrics(a, "eval")
+    evals_b = read_metrics(b, "eval")
+    # A resumed run has no step-0 evaluation.
+    if (evals_a[0]["step"] == 0) != (evals_b[0]["step"] == 0):
+        evals_a = [r for r in evals_a if r["step"]]
+        evals_b = [r for r in evals_b if r["step"]]
+    _assert_same_rows(evals_a, evals_b, keys, rel)
     wa, wb = load_safetensors(os.path.join(a, "final")), load_safetensors(os.path.join(b, "final"))
     assert wa.keys() == wb.keys()
     for k in wa:
@@ -2241,6 +2387,49 @@ def test_resume_refuses_a_different_run_and_exports_in_the_chosen_dtype(tmp_path
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
 
 
+def _different(value):
+    """A value of the same kind that is not `value`, as JSON holds it."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    if isinstance(value, str):
+        return value + "-other"
+    if isinstance(value, list):
+        return [*value, "other"]
+    return 0.5
+
+
+def test_resume_refuses_a_checkpoint_that_differs_in_any_setting_of_the_run():
+    """Every key of train_dpo._SAME_RUN is one setting of the run (a single leaf of what a
+    checkpoint records), and a checkpoint that differs there alone is refused, naming its flag."""
+    import checkpoint
+
+    current = json.loads(json.dumps(train_dpo._identity(train_dpo.Config(), {"train_sha256": "a"})))
+
+    def leaves(tree, path=()):
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                yield from leaves(value, (*path, key))
+            else:
+                yield key, (*path, key)
+
+    paths = {}
+    for key, path in leaves(current):
+        paths.setdefault(key, []).append(path)
+    checkpoint.check_same_run(copy.deepcopy(current), current, train_dpo._SAME_RUN)
+    for key, flag in train_dpo._SAME_RUN.items():
+        assert len(paths[key]) == 1, (key, paths[key])
+        saved = copy.deepcopy(current)
+        *parents, leaf = paths[key][0]
+        node = saved
+        for parent in parents:
+            node = node[parent]
+        node[leaf] = _different(node[leaf])
+        with pytest.raises(ValueError, match=f"^--resume: {re.escape(flag)} is "):
+            checkpoint.check_same_run(saved, current, train_dpo._SAME_RUN)
+
+
 def test_mfu_uses_the_device_peak_for_the_precision():
     assert device_peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12
     assert device_peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
@@ -2287,17 +2476,15 @@ def init(**kwargs):
 
 @pytest.fixture(scope="module")
 def two_ranks(six_steps, tmp_path_factory):
-    """Six runs in one start of two ranks (torchrun_runs), each checked by its own test. "resumed":
-    six_steps's step-4 checkpoint resumed with micro-batches of 2 (4 a step and rank), tokenizing
-    into an empty cache; "offload": the same with --cpu-offload (and activation checkpointing),
-    saving every step; "eval": EVAL_ARGS; "lora": REF_DATA with REF_LORA, offloaded; "wandb": a W&B
-    project whose wandb.init fails (FAILING_WANDB); "objectives": OBJECTIVES. Returns ({name:
-    out_dir}, stderr of all)."""
+    """Seven runs in one start of two ranks (torchrun_runs), each checked by its own test.
+    "resumed": six_steps's step-4 checkpoint resumed with micro-batches of 2 (4 a step and rank),
+    tokenizing into an empty cache; "offload": the same with --cpu-offload (and activation
+    checkpointing), saving every step; "eval": EVAL_ARGS; "lora": REF_DATA with REF_LORA, offloaded;
+    "wandb": a W&B project whose wandb.init fails (FAILING_WANDB); "objectives": OBJECTIVES;
+    "oracle": ORACLE_ARGS. Returns ({name: out_dir}, stderr of all)."""
     folder = tmp_path_factory.mktemp("two-ranks")
-    outs = {
-        name: folder / name
-        for name in ("resumed", "offload", "eval", "lora", "wandb", "objectives")
-    }
+    names = ("resumed", "offload", "eval", "lora", "wandb", "objectives", "oracle")
+    outs = {name: folder / name for name in names}
     resume = os.path.join(six_steps[0], "checkpoints", "step-4")
     (folder / "fake").mkdir()
     (folder / "fake" / "wandb.py").write_text(FAILING_WANDB)
@@ -2339,19 +2526,19 @@ def two_ranks(six_steps, tmp_path_factory):
             ),
             trainer_args(outs["wandb"], "--max-steps", "2", "--wandb-project", "p"),
             trainer_args(outs["objectives"], *OBJECTIVES),
+            trainer_args(outs["oracle"], *ORACLE_ARGS),
         ],
         pythonpath=[str(folder / "fake")],
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for name in ("resumed", "offload", "eval", "lora", "objectives"):
+    for name in ("resumed", "offload", "eval", "lora", "objectives", "oracle"):
         assert [r["error"] for r in run_records(outs[name], 2)] == [None, None], proc.stderr[-3000:]
     return outs, proc.stderr
 
 
 def test_two_ranks_match_one_with_every_objective_option_on(objectives_run, two_ranks):
-    _assert_same_run(
-        objectives_run, str(two_ranks[0]["objectives"]), exact=False
-    )  # the syncs change step 3 on
+    # The syncs change the reference from step 3 on, alike on one rank and two.
+    _assert_same_run(objectives_run, str(two_ranks[0]["objectives"]), exact=False)
 
 
 def test_a_failing_wandb_init_on_rank_0_stops_every_rank_at_once(two_ranks):
@@ -2396,80 +2583,54 @@ def test_ref_precompute_matches_online_reference_and_is_cached_by_its_inputs(
     # the length limit.
     one = run(tmp_path, "again", *data, *REF_LORA, "--cache-dir", str(cache))
     assert f"{name} (cached)" in capsys.readouterr().err
-    for x, y in zip(read_metrics(one), read_metrics(two), strict=True):  # LoRA: 1 rank and 2 agree
-        assert {k: x[k] for k in PAIR_METRICS} == pytest.approx(
-            {k: y[k] for k in PAIR_METRICS}, rel=1e-4, abs=1e-6
-        )
+    # LoRA: 1 rank and 2 agree.
+    _assert_same_rows(read_metrics(one), read_metrics(two))
     adapters_one, adapters_two = _adapters(one), _adapters(two)
     assert adapters_one.keys() == adapters_two.keys() and len(adapters_one) == 4 * 7 * 2
     for k in adapters_one:
         torch.testing.assert_close(adapters_two[k], adapters_one[k], rtol=0, atol=1e-5)
-    run(
-        tmp_path,
-        "short",
-        *data,
-        "--ref",
-        "precompute",
-        "--cache-dir",
-        str(cache),
-        "--max-length",
-        "40",
-        "--max-prompt-length",
-        "20",
-        "--max-steps",
-        "1",
-    )
+    # A shorter run: other pairs (the length limit), another table.
+    short = ("--ref", "precompute", "--cache-dir", str(cache), "--max-steps", "1")
+    short += ("--max-length", "40", "--max-prompt-length", "20")
+    run(tmp_path, "short", *data, *short)
     assert "reference log-probs: computed" in capsys.readouterr().err
     assert len([f for f in os.listdir(cache) if f.startswith("ref-")]) == 2
     # LD-DPO's sums are another table, of the same sums as the policy's: at step 1 (policy =
     # reference) the log-ratios are 0 and the loss ln 2, which a table of plain sums would not give.
-    ld = run(
-        tmp_path,
-        "ld",
-        *data,
-        "--ref",
-        "precompute",
-        "--cache-dir",
-        str(cache),
-        "--max-length",
-        "40",
-        "--max-prompt-length",
-        "20",
-        "--max-steps",
-        "1",
-        "--ld-alpha",
-        "0.3",
-    )  # as "short", but LD-DPO's
+    ld = run(tmp_path, "ld", *data, *short, "--ld-alpha", "0.3")
     assert "reference log-probs: computed" in capsys.readouterr().err
     assert len([f for f in os.listdir(cache) if f.startswith("ref-")]) == 3
     assert read_metrics(ld)[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
 
 
 PREEMPT = """
-import functools, os, signal, sys, time
-import torch
-import fsdp_setup, train_dpo
-# collectives time out after 10 s
-train_dpo.init_distributed = functools.partial(fsdp_setup.init_distributed, timeout_s=10)
-real_find, real_loss, calls = train_dpo.find_weights, train_dpo.pair_loss, [0]
+import os, signal, sys, time
+import fsdp_setup, models, train_dpo
+real_init = fsdp_setup.init_distributed
+real_find = models.find_weights
+real_step = train_dpo.train_step
+steps = [0]
+
+def init_distributed(*args):  # collectives time out after 10 s
+    return real_init(*args, timeout_s=10)
 
 def find_weights(*args):  # rank 0's download takes longer than any collective may wait
     time.sleep(12)
     return real_find(*args)
 
-def pair_loss(*args, **kwargs):  # SIGTERM to rank 1 alone, in the middle of step 3
-    if torch.is_grad_enabled():  # a training micro-batch, not evaluation
-        calls[0] += 1
-        if calls[0] == 3 and os.environ["RANK"] == "1":
-            os.kill(os.getpid(), signal.SIGTERM)
-    return real_loss(*args, **kwargs)
+def train_step(*args):  # SIGTERM to rank 1 alone, as step 3 starts
+    steps[0] += 1
+    if steps[0] == 3 and os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real_step(*args)
 
-train_dpo.find_weights = find_weights
-train_dpo.pair_loss = pair_loss
+fsdp_setup.init_distributed = init_distributed
+models.find_weights = find_weights
+train_dpo.train_step = train_step
 try:
     train_dpo.main(sys.argv[1:])
 except SystemExit as e:
-    train_dpo.exit_without_shutdown(e.code)
+    fsdp_setup.exit_without_shutdown(e.code)
 """
 
 
@@ -2497,15 +2658,10 @@ def test_two_ranks_match_one_then_a_preempted_step_is_saved_once_and_resumes_on_
 
 def test_one_rank_checkpoint_resumes_on_two_ranks_accumulating_micro_batches(six_steps, two_ranks):
     full, two = six_steps[0], two_ranks[0]["resumed"]
-    err = two_ranks[1].split(f"saved {two / 'final'}")[
-        0
-    ]  # this run's lines: the first of the start
+    # This run's lines: the first of the start.
+    err = two_ranks[1].split(f"saved {two / 'final'}")[0]
     assert "resumed from" in err and "at step 4 (saved on 1 ranks" in err
-    for x, y in zip(read_metrics(full)[4:], read_metrics(str(two)), strict=True):
-        assert x["step"] == y["step"]
-        assert {k: x[k] for k in PAIR_METRICS} == pytest.approx(
-            {k: y[k] for k in PAIR_METRICS}, rel=1e-4, abs=1e-6
-        )
+    _assert_same_rows(read_metrics(full)[4:], read_metrics(str(two)))
     wa, wb = load_safetensors(os.path.join(full, "final")), load_safetensors(str(two / "final"))
     assert set(wa) == set(wb) == _hf_export_names()
     for k in wa:
@@ -2525,8 +2681,7 @@ def test_cpu_offload_trains_resumes_and_exports_as_without_it(six_steps, two_ran
         params = [p for group in groups if group for p in group.fsdp_params]
         assert params and all(p.offload_to_cpu and not p.pin_memory for p in params)
     plain, offload = two_ranks[0]["resumed"], two_ranks[0]["offload"]
-    for x, y in zip(read_metrics(plain), read_metrics(offload), strict=True):
-        assert x["step"] == y["step"] and x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-7)
+    _assert_same_rows(read_metrics(plain), read_metrics(offload), rel=1e-5, abs=1e-7)
     wa, wb = load_safetensors(str(plain / "final")), load_safetensors(str(offload / "final"))
     assert wa.keys() == wb.keys() and all(
         torch.allclose(wa[k], wb[k], rtol=0, atol=1e-6) for k in wa
@@ -2641,10 +2796,9 @@ def test_background_saves_work_in_one_process_group_after_another(tmp_path):
         with world_of_one():
             model, _, _ = sharded_tiny(seed=0)
             optimizer = torch.optim.AdamW(model.parameters())
-            checkpoint.save_checkpoint(
-                str(tmp_path / str(i)), 1, model, optimizer, {"step": 1}, background=True
-            )
-            checkpoint.finish_checkpoint()
+            saver = checkpoint.Checkpointer(str(tmp_path / str(i)), background=True)
+            saver.save(1, model, optimizer, {"step": 1})
+            saver.finish()
         assert (tmp_path / str(i) / "latest").read_text() == "step-1"
         assert checkpoint.read_trainer_state(str(tmp_path / str(i) / "step-1")) == {
             "step": 1,
@@ -2660,8 +2814,15 @@ def test_background_saves_reuse_the_staging_buffers_and_each_holds_its_own_step(
     import checkpoint
     from torch.distributed.checkpoint import staging
 
-    stager = staging.DefaultStager(staging.StagingOptions(False, False, False, False))
-    monkeypatch.setitem(checkpoint._pending, "stager", stager)
+    options = staging.StagingOptions(
+        use_pinned_memory=False,
+        use_shared_memory=False,
+        use_async_staging=False,
+        use_non_blocking_copy=False,
+    )
+    stager = staging.DefaultStager(options)
+    saver = checkpoint.Checkpointer(str(tmp_path), background=True)
+    saver._stager = stager
     expected = []
     with world_of_one():
         model, _, _ = sharded_tiny(seed=0)
@@ -2670,15 +2831,12 @@ def test_background_saves_reuse_the_staging_buffers_and_each_holds_its_own_step(
             model(input_ids=torch.tensor([[5, 6, 7]])).logits.sum().backward()
             optimizer.step()
             optimizer.zero_grad()
-            expected.append(
-                {k: v.clone() for k, v in full_state(model).items()}
-            )  # on CPU: views of the weights
-            checkpoint.save_checkpoint(
-                str(tmp_path), step, model, optimizer, {"step": step}, background=True
-            )
+            # On CPU, full_state's tensors are views of the weights: cloned.
+            expected.append({k: v.clone() for k, v in full_state(model).items()})
+            saver.save(step, model, optimizer, {"step": step})
             if step == 1:
                 staged = {id(s) for s in stager._state_dict_stager._cached_storage_mapping.values()}
-        checkpoint.finish_checkpoint()
+        saver.finish()
         assert {id(s) for s in stager._state_dict_stager._cached_storage_mapping.values()} == staged
         for step in (1, 2):
             fresh, _, _ = sharded_tiny(seed=1)
@@ -2719,8 +2877,7 @@ def test_hsdp_two_replicas_of_two_shards_match_one_rank_and_resume_as_fsdp_on_fo
         and f"resumed from {hsdp / 'checkpoints' / 'step-4'} at step 4" in fsdp_err
     )
     assert "not restored" not in fsdp_err  # same world: RNG too
-    for x, y in zip(read_metrics(six_steps[0])[4:], read_metrics(str(fsdp)), strict=True):
-        assert x["step"] == y["step"] and x["loss"] == pytest.approx(y["loss"], rel=1e-4)
+    _assert_same_rows(read_metrics(six_steps[0])[4:], read_metrics(str(fsdp)))
     wa, wb = (
         load_safetensors(os.path.join(six_steps[0], "final")),
         load_safetensors(str(fsdp / "final")),
@@ -2740,16 +2897,10 @@ def _hf_export_names():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda_bf16)])
 def test_bf16_training_matches_the_fp32_cpu_run_within_bf16_tolerance(tmp_path, device):
-    six = (
-        "--max-steps",
-        "6",
-        "--batch-size",
-        "4",
-    )  # few pairs: a CPU without native bf16 emulates it
-    oracle, bf16 = (
-        run(tmp_path, "fp32", *six),
-        run(tmp_path, "bf16", *six, "--precision", "bf16", device=device),
-    )
+    # Few pairs: a CPU without native bf16 emulates it.
+    six = ("--max-steps", "6", "--batch-size", "4")
+    oracle = run(tmp_path, "fp32", *six)
+    bf16 = run(tmp_path, "bf16", *six, "--precision", "bf16", device=device)
     # Tolerances are 10x the differences seen on CPU (bf16 rounds to 8 bits of mantissa; FSDP2 keeps
     # float32 masters, gradients and optimizer state, and loss.py computes in float32).
     for split in ("train", "eval"):
@@ -2759,15 +2910,16 @@ def test_bf16_training_matches_the_fp32_cpu_run_within_bf16_tolerance(tmp_path, 
             for key in ("logps/chosen", "logps/rejected"):
                 assert b[key] == pytest.approx(a[key], rel=2e-3)
             assert split == "eval" or b["grad_norm"] == pytest.approx(a["grad_norm"], rel=3e-2)
-    wa, wb = (
-        load_safetensors(os.path.join(oracle, "final")),
-        load_safetensors(os.path.join(bf16, "final")),
-    )
-    assert wa.keys() == wb.keys() and all(
-        wb[k].dtype == torch.float32 for k in wb
-    )  # the float32 masters
-    difference = sum((wa[k] - wb[k]).norm() ** 2 for k in wa) ** 0.5
-    assert difference / sum(wa[k].norm() ** 2 for k in wa) ** 0.5 < 1e-2
+    wa = load_safetensors(os.path.join(oracle, "final"))
+    wb = load_safetensors(os.path.join(bf16, "final"))
+    # The float32 masters are exported.
+    assert wa.keys() == wb.keys() and all(wb[k].dtype == torch.float32 for k in wb)
+    # Against the size of the update (6 Adam steps move every weight by about lr each), not of the
+    # weights: a tenth of the update, three times the difference seen on CPU.
+    before = tiny_model(tiny_config()[0], seed=0).state_dict()
+    difference = sum((wa[k] - wb[k]).double().square().sum() for k in wa) ** 0.5
+    update = sum((wa[k] - before[k]).double().square().sum() for k in wa) ** 0.5
+    assert difference < 0.1 * update, (difference, update)
 
 
 @needs_cuda
@@ -2782,7 +2934,7 @@ def test_torchrun_with_nccl_matches_the_one_rank_cpu_run(six_steps, tmp_path):
 INJECT = """
 import json, os, sys
 import torch
-import train_dpo
+import fsdp_setup, train_dpo
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 record, unscale = [], torch.amp.GradScaler.unscale_
 
@@ -2802,7 +2954,7 @@ try:
 finally:
     with open(os.path.join(os.environ["RECORD_DIR"], f"record-{rank}.json"), "w") as f:
         json.dump(record, f)
-train_dpo.exit_without_shutdown(0)
+fsdp_setup.exit_without_shutdown(0)
 """
 
 
@@ -2848,7 +3000,8 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, device
 def _poison(monkeypatch, bad_calls):
     """Make the trainer's forward return NaN losses on the given (1-based) training forward
     calls."""
-    real, calls = train_dpo.pair_loss, [0]
+    real = loss.pair_loss
+    calls = [0]
 
     def pair_loss(*args, **kwargs):
         out = real(*args, **kwargs)
@@ -2858,7 +3011,7 @@ def _poison(monkeypatch, bad_calls):
                 out["losses"] = out["losses"] * float("nan")
         return out
 
-    monkeypatch.setattr(train_dpo, "pair_loss", pair_loss)
+    monkeypatch.setattr(loss, "pair_loss", pair_loss)
 
 
 def test_nan_loss_skips_the_step_and_repeated_nans_stop_the_run(tmp_path, monkeypatch, capsys):
@@ -2956,9 +3109,9 @@ def test_ipo_takes_mean_or_summed_log_ratios(ipo_logps):
     policy, tok = tiny(seed=3)
     reference, _ = tiny(seed=4)  # another model, so the log-ratios are not 0
     pairs = tokenize(demo_pairs("train")[:4], tok)
-    objective = train_dpo.LossConfig(loss="ipo", beta=0.5, ipo_logps=ipo_logps)
+    objective = LossConfig(loss="ipo", beta=0.5, ipo_logps=ipo_logps)
     assert objective.averages("ipo") == (ipo_logps == "mean")  # mean, TRL's, is the default
-    assert train_dpo.LossConfig(loss="ipo").ipo_logps == "mean"
+    assert LossConfig(loss="ipo").ipo_logps == "mean"
     with torch.no_grad():
         out = forward_pairs(
             policy.eval(), reference.eval(), collate_pairs(pairs, tok.pad_token_id), objective
@@ -2979,6 +3132,30 @@ def test_ipo_takes_mean_or_summed_log_ratios(ipo_logps):
             for p in pairs
         ]
     assert out["losses"].tolist() == pytest.approx(expected, rel=1e-4)
+
+
+@pytest.mark.parametrize("loss_type", ["dpo_norm", "simpo"])
+def test_length_normalised_losses_take_each_responses_own_mean(loss_type):
+    """dpo_norm and simpo see each response's log-prob divided by its own token count (and the
+    reference's by the same): by hand on summed log-probs of responses of 3, 6, 9 and 2 tokens."""
+    pc, pr, rc, rr = [-6.0, -12.0], [-9.0, -4.0], [-5.0, -10.0], [-8.0, -6.0]
+    lengths = [3, 6, 9, 2]  # [chosen; rejected], as pair_logps gives them
+    beta, gamma = 0.5, 0.3
+    objective = LossConfig(loss=loss_type, beta=beta, simpo_gamma=gamma)
+    ref_logps = None if loss_type == "simpo" else torch.tensor(rc + rr)
+    out = pair_loss(torch.tensor(pc + pr), ref_logps, torch.tensor(lengths), objective)
+    expected = []
+    for i in range(2):
+        chosen, rejected = pc[i] / lengths[i], pr[i] / lengths[2 + i]
+        if loss_type == "simpo":
+            expected.append(-_logsig(beta * (chosen - rejected) - gamma))
+        else:
+            margin = (chosen - rc[i] / lengths[i]) - (rejected - rr[i] / lengths[2 + i])
+            expected.append(-_logsig(beta * margin))
+    assert out["losses"].tolist() == pytest.approx(expected, rel=1e-6)
+    # The logged log-probs are the means too.
+    assert out["chosen_logps"].tolist() == pytest.approx([-2.0, -2.0])
+    assert out["rejected_logps"].tolist() == pytest.approx([-1.0, -2.0])
 
 
 def test_dropout_is_off_unless_asked_so_the_first_step_has_zero_rewards(tmp_path):
@@ -3028,8 +3205,8 @@ def test_rpo_as_a_loss_mix_adds_the_weighted_chosen_nll():
     per_pair = sum(len(p["chosen"]) for p in pairs) / 4
     with torch.no_grad():
         for loss in ("dpo", "dpo_norm"):  # summed and length-averaged log-probs
-            plain = forward_pairs(policy, reference, batch, train_dpo.LossConfig(loss=loss))
-            mix = train_dpo.LossConfig(loss=(loss, "sft"), loss_weights=(1, 0.5))  # RPO
+            plain = forward_pairs(policy, reference, batch, LossConfig(loss=loss))
+            mix = LossConfig(loss=(loss, "sft"), loss_weights=(1, 0.5))  # RPO
             rpo = forward_pairs(policy, reference, batch, mix, tokens_per_pair=per_pair)
             hf = [
                 policy(
@@ -3046,15 +3223,13 @@ def test_rpo_as_a_loss_mix_adds_the_weighted_chosen_nll():
         hook = policy.model.embed_tokens.register_forward_hook(
             lambda module, args, out: rows.append(len(args[0]))
         )
-        sft = forward_pairs(
-            policy, None, batch, train_dpo.LossConfig(loss="sft"), tokens_per_pair=per_pair
-        )
+        sft = forward_pairs(policy, None, batch, LossConfig(loss="sft"), tokens_per_pair=per_pair)
         hook.remove()
         assert rows == [4] and sft["losses"].tolist() == pytest.approx(
             [x / per_pair for x in hf], rel=1e-4
         )
     with pytest.raises(ValueError, match="--loss-weights: 1 weights for 2 --loss"):
-        train_dpo.LossConfig(loss=("dpo", "sft"), loss_weights=(1.0,))
+        LossConfig(loss=("dpo", "sft"), loss_weights=(1.0,))
 
 
 def _f_prime_by_hand(u, kind, a):
@@ -3082,7 +3257,7 @@ def test_a_loss_mix_under_an_f_divergence_with_wpo_weights_matches_hand_values_a
         0.3,
         4.0,
     )
-    objective = train_dpo.LossConfig(
+    objective = LossConfig(
         loss=("dpo", "ipo", "sft"),
         loss_weights=(1.0, 0.5, 0.25),
         beta=beta,
@@ -3146,7 +3321,7 @@ def test_wpo_log_weights_and_ld_dpo_sums_match_a_naive_full_softmax_with_gradien
     logps, log_w = response_logps(policy, batch, ld_alpha=0.3, weighting=True)
     assert not log_w.requires_grad
     grads = torch.autograd.grad(logps.sum(), params)
-    policy.get_output_embeddings().score = None  # plain logits, the whole (2B, T, V)
+    # Outside response_logps the output layer gives plain logits, the whole (2B, T, V).
     token = torch.log_softmax(policy(input_ids=batch.input_ids).logits.float(), -1)  # (2B, T, V)
     naive, expected_w = [], []
     for row in range(len(lengths)):
@@ -3164,7 +3339,7 @@ def test_wpo_log_weights_and_ld_dpo_sums_match_a_naive_full_softmax_with_gradien
         torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-4)
     # The reference gets LD-DPO's sums too; ld_alpha = 1 is the plain sum, bit for bit.
     reference, _ = tiny(seed=6)
-    objective = train_dpo.LossConfig(ld_alpha=0.3)
+    objective = LossConfig(ld_alpha=0.3)
     with torch.no_grad():
         _, ref_logps, none = pair_logps(policy, reference, batch, objective)
         assert none is None and torch.equal(ref_logps, response_logps(reference, batch, 0.3))
@@ -3258,7 +3433,7 @@ out = generate(Model(), [[2, 2]], max_new_tokens=6, eos_id=1, pad_id=0)
 with open(os.path.join(sys.argv[2], f"rank{rank}.txt"), "w") as f:
     f.write(f"{forwards[0]} {out}")
 dist.destroy_process_group()
-# as train_dpo.exit_without_shutdown: no interpreter shutdown while gloo's threads let go
+# as fsdp_setup.exit_without_shutdown: no interpreter shutdown while gloo's threads let go
 os._exit(0)
 """
 
@@ -3435,7 +3610,7 @@ def test_lora_reference_is_the_base_model_exactly_and_only_the_adapters_train(pr
             [p for p in policy.parameters() if p.requires_grad], lr=1e-2, weight_decay=0
         )
         for step in range(2):
-            out = forward_pairs(policy, WithoutAdapters(policy), batch, train_dpo.LossConfig())
+            out = forward_pairs(policy, WithoutAdapters(policy), batch, LossConfig())
             if (
                 step == 0
             ):  # B starts at 0: the policy is its own reference, every pair's loss is ln 2
@@ -3510,13 +3685,11 @@ def test_lora_resume_is_bit_exact_and_the_merged_export_is_w_plus_scaled_ba(lora
     shutil.copytree(os.path.join(lora_six, "checkpoints"), out / "checkpoints")
     (out / "checkpoints" / "latest").write_text("step-4")
     run(tmp_path, "resumed", *SIX, *LORA, "--resume", "latest", "--export-merged")
-    for split in ("train", "eval"):
-        for x, y in zip(
-            read_metrics(lora_six, split)[-2 if split == "train" else -1 :],
-            read_metrics(out, split),
-            strict=True,
-        ):
-            assert {k: x[k] for k in PAIR_METRICS} == {k: y[k] for k in PAIR_METRICS}  # bit for bit
+    # Bit for bit: steps 5 and 6, and the final evaluation.
+    _assert_same_rows(read_metrics(lora_six)[-2:], read_metrics(out), rel=0)
+    _assert_same_rows(
+        read_metrics(lora_six, "eval")[-1:], read_metrics(out, "eval"), PAIR_METRICS, 0
+    )
     base, adapters, merged = (
         tiny(0)[0].state_dict(),
         _adapters(lora_six),
@@ -3638,21 +3811,59 @@ def test_each_concern_file_imports_alone(tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
+def _end_of_line_comments_and_code_lines(source: str) -> tuple[int, int]:
+    """(comments after code on their line, lines holding code): docstrings and blank or
+    comment-only lines are not code."""
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            docstrings.update(range(node.lineno, node.end_lineno + 1))
+    comments = 0
+    code = set()
+    skip = (
+        pytokenize.NL,
+        pytokenize.NEWLINE,
+        pytokenize.INDENT,
+        pytokenize.DEDENT,
+        pytokenize.ENDMARKER,
+    )
+    for token in pytokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == pytokenize.COMMENT and token.line[: token.start[1]].strip():
+            comments += 1
+        elif token.type not in skip and token.type != pytokenize.COMMENT:
+            code.update(set(range(token.start[0], token.end[0] + 1)) - docstrings)
+    return comments, len(code)
+
+
 def test_house_style_that_the_linter_does_not_check():
-    """ruff (in .ci/run) checks the layout, line length and lambdas assigned to names; this checks
-    the rest of the house style: the size budgets in statements (blank lines, comments, docstrings
-    and the formatter's line breaks are free), no nested conditional expression, no issue numbers
-    in code."""
-    files = [f for f in os.listdir(HERE) if f.endswith(".py") and f != "test_dpo.py"]
+    """ruff (in .ci/run) checks the layout, line length and lambdas assigned to plain names; this
+    checks the rest of the house style. Size counts statements (Python AST statements; docstrings,
+    like blank lines, comments and the formatter's line breaks, are free): train_dpo.py at most
+    320, all non-test code at most 2,300. At most 5 end-of-line comments per 100 code lines in
+    every file; no lambda assigned to a name or attribute, no nested conditional expression, no
+    issue numbers in code."""
+    files = [f for f in os.listdir(HERE) if f.endswith(".py")]
     statements = {}
     for name in files:
         source = open(os.path.join(HERE, name)).read()
         tree = ast.parse(source)
-        statements[name] = sum(isinstance(node, ast.stmt) for node in ast.walk(tree))
-        assert not re.search(r"\b[Ii]ssues? \d+", source), f"{name} names an issue"
+        docstrings = [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
+        ]
+        statements[name] = sum(isinstance(n, ast.stmt) for n in ast.walk(tree)) - len(docstrings)
+        comments, code = _end_of_line_comments_and_code_lines(source)
+        assert comments <= 0.05 * code, (
+            f"{name}: {comments} end-of-line comments, {code} code lines"
+        )
+        assert name == "test_dpo.py" or not re.search(r"\b[Ii]ssues? \d+", source), name
         for node in ast.walk(tree):
             if isinstance(node, ast.IfExp):
                 inner = [n for n in ast.walk(node) if isinstance(n, ast.IfExp) and n is not node]
                 assert not inner, f"{name}:{node.lineno}: a nested conditional expression"
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                assert not isinstance(node.value, ast.Lambda), f"{name}:{node.lineno}: a lambda"
+    del statements["test_dpo.py"]
     assert statements["train_dpo.py"] <= 320, statements
     assert sum(statements.values()) <= 2300, statements

@@ -1,13 +1,12 @@
 """DPO training with FSDP2 mixed precision, one code path for 1..N ranks. Reads top to bottom: the
-config; the loop, with the DPO step written out; what it calls (setup, models, evaluation,
-checkpoints, export).
+config; train(), the loop; train_step(), the DPO step; then what they call (setup, models,
+evaluation, checkpoints, export).
 
     python train_dpo.py  # tiny model, built-in demo data, CPU is fine
-    torchrun --nproc_per_node=8 train_dpo.py --precision bf16 --model <hub id or dir> \
+    torchrun --nproc_per_node=8 train_dpo.py --precision bf16 --model <hub id or dir> \\
         --data prefs.jsonl
 """
 
-import functools
 import importlib.util
 import json
 import math
@@ -21,99 +20,55 @@ import safetensors.torch
 import torch
 import torch.distributed as dist
 import transformers
-from torch.distributed.tensor import DTensor
 import tyro
 
-from batches import BatchConfig, StepBatches, micro_batches, pair_table, rank_share, table_rows
-from checkpoint import (
-    CheckpointConfig,
-    StopRequest,
-    check_same_run,
-    find_checkpoint,
-    finish_checkpoint,
-    load_checkpoint,
-    read_trainer_state,
-    save_checkpoint,
-)
-from data import (
-    DataConfig,
-    PairTokens,
-    key_digest,
-    load_tokenizer,
-    load_tokens,
-    tokenize_to_cache,
-    write_atomic,
-    write_jsonl,
-)
-from demo import demo_config, score_samples
-from fsdp_setup import (
-    FSDPConfig,
-    build_sharded,
-    exit_without_shutdown,
-    find_block_class,
-    full_tensors,
-    inference,
-    init_distributed,
-    mix_into,
-    on_rank0,
-    save_files,
-)
-from lora import (
-    LoraConfig,
-    WithoutAdapters,
-    add_adapters,
-    check_mergeable,
-    initial_weights,
-    merged_entries,
-    save_adapters,
-)
-from loss import LossConfig, ScoredHead, add_scored_head, pair_logps, pair_loss, response_logps
-from metrics import (
-    PAIR_METRICS,
-    RunLog,
-    batch_counts,
-    eval_line,
-    flop_coefficients,
-    host_memory_by_rank_gb,
-    open_wandb,
-    pair_means,
-    pair_stats,
-    peak_memory_gb,
-    say,
-    sharded_line,
-    show_progress,
-    step_metrics,
-)
-from models import (
-    build_model,
-    find_weights,
-    load_model_config,
-    model_identity,
-    open_weights,
-    save_pretrained,
-)
-from precision import Precision, PrecisionConfig, resolve_precision, skip_counts
-from samples import SampleConfig, sample_completions
+import batches
+import checkpoint
+import data
+import demo
+import fsdp_setup
+import lora
+import loss
+import metrics
+import models
+import precision
+import samples
+from lora import LoraConfig
 
-_CONFIGS = (
-    tyro.conf.OmitArgPrefixes
-)  # every sub-config's flags are top-level: --beta, not --objective.beta
+# Every sub-config's flags are top-level: --beta, not --objective.beta.
+_FLAGS = tyro.conf.OmitArgPrefixes
 
 
-# ------------------------------------------------------------------------------------------- config
+def _objective_flags() -> loss.LossConfig:
+    """The objective's defaults as the command line sees them. tyro appends each repeated --loss
+    and --loss-weights to its default, so these two start empty here; LossConfig reads empty as
+    dpo, with weight 1."""
+    defaults = loss.LossConfig()
+    defaults.loss = ()
+    defaults.loss_weights = ()
+    return defaults
+
+
+# ------------------------------------------------------------------------------------------ config
 @dataclass
 class Config:
     model: str = "tiny"
     """Hub id, local folder, or "tiny" (random-init Llama, byte tokenizer, no download); also the
     reference."""
-    dataset: Annotated[DataConfig, _CONFIGS] = field(default_factory=DataConfig)
-    batching: Annotated[BatchConfig, _CONFIGS] = field(default_factory=BatchConfig)
-    objective: Annotated[LossConfig, _CONFIGS] = field(default_factory=LossConfig)
-    mixed_precision: Annotated[PrecisionConfig, _CONFIGS] = field(default_factory=PrecisionConfig)
-    fsdp: Annotated[FSDPConfig, _CONFIGS] = field(default_factory=FSDPConfig)
-    lora: Annotated[LoraConfig, _CONFIGS] = field(default_factory=LoraConfig)
-    sampling: Annotated[SampleConfig, _CONFIGS] = field(default_factory=SampleConfig)
-    checkpoints: Annotated[CheckpointConfig, _CONFIGS] = field(default_factory=CheckpointConfig)
+    dataset: Annotated[data.DataConfig, _FLAGS] = field(default_factory=data.DataConfig)
+    batching: Annotated[batches.BatchConfig, _FLAGS] = field(default_factory=batches.BatchConfig)
+    objective: Annotated[loss.LossConfig, _FLAGS] = field(default_factory=_objective_flags)
+    mixed_precision: Annotated[precision.PrecisionConfig, _FLAGS] = field(
+        default_factory=precision.PrecisionConfig
+    )
+    fsdp: Annotated[fsdp_setup.FSDPConfig, _FLAGS] = field(default_factory=fsdp_setup.FSDPConfig)
+    # Imported by name: in this annotation, read after the assignment, `lora` would be the field
+    # just assigned, not the module.
+    lora: Annotated[LoraConfig, _FLAGS] = field(default_factory=LoraConfig)
+    sampling: Annotated[samples.SampleConfig, _FLAGS] = field(default_factory=samples.SampleConfig)
+    checkpoints: Annotated[checkpoint.CheckpointConfig, _FLAGS] = field(
+        default_factory=checkpoint.CheckpointConfig
+    )
     lr: float | None = None
     """Peak learning rate. Default: 1e-3 for tiny (from scratch), 5e-7 (DPO paper), 5e-6 with
     --lora-rank (TRL)."""
@@ -135,38 +90,36 @@ class Config:
     from step 1."""
 
     def __post_init__(self):
-        if self.lr is None and self.model == "tiny":  # trained from scratch
+        # A copy runs LossConfig.__post_init__ again, which resolves _objective_flags' empty loss
+        # list (the command line's default) to dpo, with weight 1.
+        self.objective = replace(self.objective)
+        # tiny trains from scratch. Otherwise the DPO paper's rate, or with LoRA that of TRL's LoRA
+        # DPO example.
+        if self.lr is None and self.model == "tiny":
             self.lr = 1e-3
-        elif self.lr is None:  # the DPO paper's; with LoRA, TRL's LoRA DPO example's
+        elif self.lr is None:
             self.lr = 5e-6 if self.lora.lora_rank else 5e-7
-        self.objective = replace(
-            self.objective, loss=self.objective.losses, loss_weights=self.objective.weights
-        )
         if min(self.warmup_steps, self.weight_decay) < 0:
             raise ValueError("--warmup-steps and --weight-decay must be >= 0")
-        if (
-            self.wandb_project and importlib.util.find_spec("wandb") is None
-        ):  # the one check; imported lazily
+        # The one check for wandb, which is imported lazily.
+        if self.wandb_project and importlib.util.find_spec("wandb") is None:
             raise ValueError("--wandb-project needs the wandb package: pip install wandb")
         if self.lora.lora_rank and self.objective.sync_ref_model:
             raise ValueError(
                 "--sync-ref-model: with --lora-rank the reference is the base model, which never "
                 "changes"
             )
-        if (
-            self.lora.lora_dropout and not self.dropout
-        ):  # the policy trains in eval mode without --dropout
+        # Without --dropout the policy trains in eval mode, where no dropout runs.
+        if self.lora.lora_dropout and not self.dropout:
             raise ValueError(
                 "--lora-dropout needs --dropout: dropout runs only in train mode, which --dropout "
                 "turns on (the model's own dropout too, where its config has any)"
             )
 
 
-# Resuming with any of these changed is refused; all else may change (--max-steps, --lr, precision,
-# ...).
-_OBJECTIVE = [
-    f.name for f in fields(LossConfig) if f.name != "ref"
-]  # every option of the loss (not --ref's mode)
+# Resuming with any of these changed is refused; all else may change (--max-steps, --lr, the
+# precision, ...). Every option of the loss counts, but not --ref: how the reference is computed.
+_OBJECTIVE = [f.name for f in fields(loss.LossConfig) if f.name != "ref"]
 _SAME_RUN = {
     name: "--" + name.replace("_", "-")
     for name in (
@@ -188,165 +141,189 @@ _SAME_RUN = {
 _SAME_RUN["data_sha256"] = "the tokenized --data (its content, cut by this code)"
 
 
-# ----------------------------------------------------------------------------------------- the loop
-def train(cfg: Config, rank: int, world: int, device: torch.device) -> int:
-    """Everything that needs the process group. Returns the exit code."""
+# ---------------------------------------------------------------------------------------- the loop
+def train(cfg: Config, device: torch.device) -> int:
+    """Everything that needs the process group: setup, then each step's learning rate, the step,
+    TR-DPO's sync, logging, skip accounting, evaluation, checkpoints and a requested stop; the
+    export at the end. Returns the exit code."""
     try:
-        run, optimizer = setup(cfg, world, device)
+        run, optimizer = setup(cfg, device)
     except ValueError as e:
-        say(f"error: {e}")
+        metrics.say(f"error: {e}")
         return 2
-    cfg, objective, micro_size = (
-        run.cfg,
-        run.cfg.objective,
-        run.cfg.batching.micro_batch_size,
-    )  # resolved
-    policy, scaler = (
-        run.policy,
-        run.precision.scaler,
-    )  # scaler: fp16's; elsewhere it passes all through
-    log = RunLog(
-        cfg.out_dir, run.start_step, cfg.sampling.num_samples > 0 and len(run.eval) > 0
-    )  # and samples.jsonl
-    if (
-        cfg.wandb_project
-    ):  # rank 0's run; its failure (no API key on a batch node) stops every rank at once
-        log.wandb = on_rank0(
-            functools.partial(open_wandb, cfg.wandb_project, asdict(cfg), cfg.out_dir), share=False
+    scaler = run.precision.scaler
+    total_steps = run.steps.total_steps
+    log = metrics.RunLog(
+        cfg.out_dir, run.start_step, samples=cfg.sampling.num_samples > 0 and len(run.eval) > 0
+    )
+    if cfg.wandb_project:
+        # Rank 0's run. Its failure (no API key on a batch node) stops every rank at once.
+        log.wandb = fsdp_setup.on_rank0(
+            metrics.open_wandb, cfg.wandb_project, asdict(cfg), cfg.out_dir, share=False
         )
     log.write_data(
-        {split: run.data[split] for split in ("train", "eval")}, fresh=run.start_step == 0
+        {"train": run.data["train"], "eval": run.data["eval"]}, fresh=run.start_step == 0
     )
-    # Tokens, token slots and model FLOPs (LoRA's backward makes no frozen-weight gradient: one
-    # forward's worth).
-    counts = functools.partial(
-        batch_counts,
-        flop_coefficients(policy),
-        objective.pairwise,
-        2 if cfg.lora.lora_rank else 3,
-        run.reference is not None,
+    saver = checkpoint.Checkpointer(
+        os.path.join(cfg.out_dir, "checkpoints"),
+        keep_last=cfg.checkpoints.keep_last,
+        background=cfg.checkpoints.async_save,
     )
-    stop = StopRequest()  # SIGTERM / SIGUSR1 / SIGINT: finish the step, save, exit
+    # SIGTERM, SIGUSR1 or SIGINT: finish the step, save, exit.
+    stop = checkpoint.StopRequest()
+    # What every GPU together can do in this precision, for MFU; None on a CPU.
+    peak_flops = metrics.group_peak_flops(device, run.precision.name)
     t0 = time.perf_counter()
-    bad_steps = 0  # consecutive skipped steps that count toward --max-skipped-steps
+    # Consecutive skipped steps that count toward --max-skipped-steps.
+    bad_steps = 0
     if run.start_step == 0 and cfg.sampling.eval_before:
-        evaluate_and_sample(run, log, 0, t0)  # the baseline: where the samples and the curves start
-    for step in range(run.start_step, run.steps.total_steps):
-        lr = get_lr(step, cfg.lr, cfg.warmup_steps, run.steps.total_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        # The baseline: where the samples and the curves start.
+        evaluate_and_sample(run, log, 0, t0)
+
+    for step in range(run.start_step, total_steps):
         step_t0 = time.perf_counter()
-        batch = run.steps(step)  # the global batch: pair indices
-        mine = rank_share(batch, rank, world)
-        tokens_per_pair = (
-            run.train.mean_chosen(batch) if "sft" in objective.losses else None
-        )  # sft: a global mean
-        sums = torch.zeros(
-            len(PAIR_METRICS) + 3, device=device
-        )  # pair metrics; tokens, token slots, FLOPs
-        for i, (idx, micro) in enumerate(
-            micro_batches(run.train, mine, micro_size, run.pad_id, device)
-        ):
-            # By default each micro-batch's gradient is reduce-scattered at once, so no rank holds a
-            # full one.
-            last = (i + 1) * micro_size >= len(mine)
-            policy.set_requires_gradient_sync(last or not cfg.fsdp.unsharded_grad_accumulation)
-            ref_logps = (
-                table_rows(run.ref_tables["train"], idx) if run.ref_tables else None
-            )  # --ref precompute
-            logps, ref_logps, wpo = pair_logps(
-                policy, run.reference, micro, objective, ref_logps
-            )  # (2B,) each
-            out = pair_loss(
-                logps, ref_logps, micro.response_lengths, objective, tokens_per_pair, wpo
-            )  # (B,) each
-            loss = out["losses"].sum() / len(
-                mine
-            )  # FSDP averages over ranks: the mean over the global batch
-            scaler.scale(loss).backward()
-            sums += torch.cat([pair_stats(out).sum(0), counts(micro)])
-        dist.all_reduce(sums)  # one collective per step for the metrics; one more for the maxima:
-        peaks = torch.tensor([peak_memory_gb(device), float(stop.signum > 0)], device=device)
-        dist.all_reduce(
-            peaks, op=dist.ReduceOp.MAX
-        )  # the fullest rank's memory; whether any rank must stop
-        scaler.unscale_(optimizer)  # fp16: clip the true gradients
-        norm = torch.nn.utils.clip_grad_norm_(
-            policy.parameters(), cfg.mixed_precision.max_grad_norm or math.inf
-        )
-        grad_norm = (
-            norm.full_tensor() if isinstance(norm, DTensor) else norm
-        )  # over every rank's shards
-        # A global norm and loss: a NaN, or an fp16 overflow, on any rank skips the step on all of
-        # them.
-        skipped = not bool(torch.isfinite(grad_norm) & torch.isfinite(sums[0]))
-        if not skipped:
-            scaler.step(optimizer)
-        # fp16: an overflow on any rank lowers the scale on all (found_inf is reduced over shards)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        if objective.sync_ref_model and (step + 1) % objective.ref_model_sync_steps == 0:  # TR-DPO
-            mix_into(run.reference, policy, objective.ref_model_mixup_alpha)
-        metrics = step_metrics(
-            sums,
-            peaks,
-            time.perf_counter() - step_t0,
-            cfg.batching.batch_size,
-            objective.pairwise,
-            world,
-            device,
-            run.precision.name,
-        )
-        row = {
-            "step": step + 1,
-            "split": "train",
-            **metrics,
-            "grad_norm": grad_norm.item(),
-            "lr": lr,
-            "skipped": skipped,
-            "elapsed_s": time.perf_counter() - t0,
-        }
+        lr = get_lr(step, cfg.lr, cfg.warmup_steps, total_steps)
+        stats = train_step(run, optimizer, run.steps(step), lr, stop)
+        if cfg.objective.sync_ref_model and (step + 1) % cfg.objective.ref_model_sync_steps == 0:
+            # TR-DPO: the reference moves toward the policy, shard by shard (after a skipped step
+            # too, as in TRL).
+            fsdp_setup.mix_into(run.reference, run.policy, cfg.objective.ref_model_mixup_alpha)
+
+        seconds = time.perf_counter() - step_t0
+        row = stats.row(step + 1, lr, seconds, cfg.batching.batch_size, peak_flops)
+        row["elapsed_s"] = time.perf_counter() - t0
         if scaler.is_enabled():
             row["loss_scale"] = scaler.get_scale()
         log.write(row)
-        show_progress(step + 1, run.steps.total_steps, row)
-        bad_steps = bad_steps + skip_counts(scaler, row["loss"]) if skipped else 0
-        if skipped:
-            say(f"step {step + 1}: non-finite loss or gradient norm, step skipped on every rank")
+        metrics.show_progress(step + 1, total_steps, row)
+
+        if not stats.skipped:
+            bad_steps = 0
+        else:
+            metrics.say(
+                f"step {step + 1}: non-finite loss or gradient norm, step skipped on every rank"
+            )
+            # An fp16 overflow with a finite loss is the scaler finding its scale: not counted.
+            if precision.skip_counts(scaler, stats.means["loss"]):
+                bad_steps += 1
         if bad_steps >= cfg.mixed_precision.max_skipped_steps:
-            say(
+            metrics.say(
                 f"error: stopping at step {step + 1}: {bad_steps} consecutive steps since step "
                 f"{step + 2 - bad_steps} had a non-finite loss or gradient norm"
             )
-            finish_checkpoint()
+            saver.finish()
             log.close()
             return 1
-        if (
-            cfg.sampling.eval_every
-            and (step + 1) % cfg.sampling.eval_every == 0
-            and step + 1 < run.steps.total_steps
-        ):
+
+        evaluate_now = cfg.sampling.eval_every and (step + 1) % cfg.sampling.eval_every == 0
+        if evaluate_now and step + 1 < total_steps:
             evaluate_and_sample(run, log, step + 1, t0)
-        stopping = peaks[1].item() > 0
-        if stopping or (
-            cfg.checkpoints.save_every and (step + 1) % cfg.checkpoints.save_every == 0
-        ):
-            path = save(run, optimizer, step + 1)
-        finish_checkpoint(
-            wait=stopping
-        )  # an --async-save written by now moves `latest`; stopping: wait for it
-        if stopping:
-            say(
-                f"stopped by a signal after step {step + 1}: saved {path}; continue with --resume "
-                "latest"
+        due = cfg.checkpoints.save_every and (step + 1) % cfg.checkpoints.save_every == 0
+        if due or stats.stop_requested:
+            path = save(run, saver, optimizer, step + 1)
+        # A background save written by now moves `latest`; before a stop, wait for it.
+        saver.finish(wait=stats.stop_requested)
+        if stats.stop_requested:
+            metrics.say(
+                f"stopped by a signal after step {step + 1}: saved {path}; continue with "
+                "--resume latest"
             )
-            log.close()  # and the W&B run finished: the process leaves without interpreter shutdown
+            # The log's files and the W&B run are closed: the process then leaves without
+            # interpreter shutdown.
+            log.close()
             return stop.exit_code
+
     stop.restore()
-    finish_checkpoint()
-    evaluate_and_sample(run, log, run.steps.total_steps, t0)
+    saver.finish()
+    evaluate_and_sample(run, log, total_steps, t0)
     export_final(run, log)
     return 0
+
+
+def train_step(
+    run: "Run",
+    optimizer: torch.optim.Optimizer,
+    batch: list[int],
+    lr: float,
+    stop: checkpoint.StopRequest,
+) -> metrics.StepStats:
+    """One optimizer step at learning rate `lr` on the global `batch` of pair indices, of which
+    this rank takes its share: for each micro-batch, the forward (reference, then policy), the loss
+    and backward (scaled for fp16); then the statistics reduced over the ranks, fp16's unscale, the
+    clip, and the update, skipped on every rank if any saw a non-finite loss or gradient norm."""
+    cfg = run.cfg
+    scaler = run.precision.scaler
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    mine = batches.rank_share(batch, dist.get_rank(), dist.get_world_size())
+    # sft's NLL is a token mean over the global batch: each pair's share is over its mean length.
+    tokens_per_pair = run.train.mean_chosen(batch) if "sft" in cfg.objective.loss else None
+    micro_size = cfg.batching.micro_batch_size
+    # Model FLOPs per batch: the policy runs forward and backward, 3 forwards' worth, or 2 with
+    # LoRA, whose frozen weights get no gradient.
+    passes = 2 if cfg.lora.lora_rank else 3
+    sums = metrics.StepSums(run.device)
+
+    micro_batches = batches.micro_batches(run.train, mine, micro_size, run.pad_id, run.device)
+    for i, (idx, pairs) in enumerate(micro_batches):
+        # By default each micro-batch's gradient is reduce-scattered at once, so that no rank holds
+        # a full gradient.
+        last = (i + 1) * micro_size >= len(mine)
+        run.policy.set_requires_gradient_sync(last or not cfg.fsdp.unsharded_grad_accumulation)
+        out = pair_losses(run, "train", idx, pairs, tokens_per_pair)
+        # Over the rank's pairs: FSDP averages gradients over the ranks, so the gradient is that of
+        # the mean loss over the global batch.
+        scaler.scale(out["losses"].sum() / len(mine)).backward()
+        counts = metrics.batch_counts(
+            run.flop_coefficients, cfg.objective.pairwise, passes, run.reference is not None, pairs
+        )
+        sums.add(out, counts)
+
+    sums.all_reduce()
+    # Two maxima in one all-reduce: the fullest rank's memory, and whether any rank must stop.
+    maxima = torch.tensor(
+        [metrics.peak_memory_gb(run.device), float(stop.signum > 0)], device=run.device
+    )
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+
+    # fp16: clip the true gradients, not the scaled ones.
+    scaler.unscale_(optimizer)
+    grad_norm = fsdp_setup.clip_grad_norm_(run.policy, cfg.mixed_precision.max_grad_norm)
+    # A global norm and loss: a NaN or an fp16 overflow on any rank skips the step on all of them.
+    skipped = not bool(torch.isfinite(grad_norm) & sums.loss_is_finite())
+    if not skipped:
+        scaler.step(optimizer)
+    # fp16: an overflow on any rank lowers the scale on all (found_inf is reduced over the shards).
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+    # Read on the host once the update is queued: no wait for the device before it.
+    peak_memory_gb, stop_requested = maxima.tolist()
+    return metrics.StepStats(
+        **sums.totals(cfg.batching.batch_size, cfg.objective.pairwise),
+        grad_norm=grad_norm.item(),
+        skipped=skipped,
+        peak_memory_gb=peak_memory_gb,
+        stop_requested=stop_requested > 0,
+    )
+
+
+def pair_losses(
+    run: "Run", split: str, idx: list[int], pairs: batches.PairBatch, tokens_per_pair: float | None
+) -> dict[str, torch.Tensor]:
+    """loss.pair_loss's (B,) tensors for the micro-batch `pairs` (indices `idx` in `split`): the
+    reference's log-probs (with --ref precompute, from its table), then the policy's, and the
+    objective's losses."""
+    ref_logps = None
+    if run.ref_tables:
+        ref_logps = batches.table_rows(run.ref_tables[split], idx)
+    objective = run.cfg.objective
+    logps, ref_logps, log_weights = loss.pair_logps(
+        run.policy, run.reference, pairs, objective, ref_logps
+    )
+    return loss.pair_loss(
+        logps, ref_logps, pairs.response_lengths, objective, tokens_per_pair, log_weights
+    )
 
 
 def get_lr(step: int, peak: float, warmup: int, total: int) -> float:
@@ -357,187 +334,187 @@ def get_lr(step: int, peak: float, warmup: int, total: int) -> float:
     return peak / 10 + (peak - peak / 10) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def evaluate_and_sample(run, log: RunLog, step: int, t0: float) -> None:
+def evaluate_and_sample(run: "Run", log: metrics.RunLog, step: int, t0: float) -> None:
     """Means over the held-out set, completions of its first --num-samples prompts; both logged, a
     line shown."""
     if not len(run.eval):
         return
-    objective, micro, sampling = (
-        run.cfg.objective,
-        run.cfg.batching.micro_batch_size,
-        run.cfg.sampling,
-    )
 
-    def stats(idx, batch):  # (B, len(PAIR_METRICS))
-        ref_logps = table_rows(run.ref_tables["eval"], idx) if run.ref_tables else None
-        logps, ref_logps, wpo = pair_logps(run.policy, run.reference, batch, objective, ref_logps)
-        return pair_stats(
-            pair_loss(
-                logps, ref_logps, batch.response_lengths, objective, run.eval.mean_chosen(), wpo
-            )
+    def pair_rows(idx, pairs):  # (B, len(PAIR_METRICS))
+        out = pair_losses(run, "eval", idx, pairs, run.eval.mean_chosen())
+        return metrics.pair_stats(out)
+
+    prompts = [
+        run.eval[i]["prompt"] for i in range(min(run.cfg.sampling.num_samples, len(run.eval)))
+    ]
+    # Every rank evaluates and generates (FSDP needs them all); rank 0 writes.
+    with fsdp_setup.inference(run.policy):
+        table = batches.pair_table(
+            run.eval,
+            len(metrics.PAIR_METRICS),
+            pair_rows,
+            run.cfg.batching.micro_batch_size,
+            run.pad_id,
+            run.device,
         )
+        completions = samples.sample_completions(
+            run.policy,
+            run.tokenizer,
+            prompts,
+            run.cfg.sampling,
+            run.pad_id,
+            run.cfg.seed,
+            run.device,
+        )
+    means = metrics.pair_means(table.sum(0), len(run.eval), run.cfg.objective.pairwise)
+    if run.demo and completions:
+        # The demo's ground truth: the shares of samples in the chosen and in the rejected style.
+        means.update(demo.score_samples([c["completion"] for c in completions]))
+    rows = [{"step": step, **c} for c in completions]
+    log.write({"step": step, "split": "eval", **means, "elapsed_s": time.perf_counter() - t0}, rows)
+    metrics.say(metrics.eval_line(step, len(run.eval), means, rows))
 
-    with inference(run.policy):  # every rank generates (FSDP needs them all); rank 0 writes
-        table = pair_table(run.eval, len(PAIR_METRICS), stats, micro, run.pad_id, run.device)
-        prompts = [run.eval[i]["prompt"] for i in range(min(sampling.num_samples, len(run.eval)))]
-        samples = [
-            {"step": step, **s}
-            for s in sample_completions(
-                run.policy, run.tokenizer, prompts, sampling, run.pad_id, run.cfg.seed, run.device
-            )
-        ]
-    m = pair_means(table.sum(0), len(run.eval), objective.pairwise)
-    if (
-        run.demo and samples
-    ):  # the demo's ground truth: the share of samples in the chosen (or rejected) style
-        m.update(score_samples([s["completion"] for s in samples]))
-    log.write({"step": step, "split": "eval", **m, "elapsed_s": time.perf_counter() - t0}, samples)
-    say(eval_line(step, len(run.eval), m, samples))
 
-
-# -------------------------------------------------------------------------------------------- setup
+# ------------------------------------------------------------------------------------------- setup
 @dataclass
 class Run:
-    """What setup decides and builds, once. cfg is a resolved copy (the micro-batch size)."""
+    """What setup decides and builds, once."""
 
     cfg: Config
     device: torch.device
-    precision: Precision
+    precision: precision.Precision
     tokenizer: transformers.PreTrainedTokenizerBase
-    train: PairTokens
-    eval: PairTokens
-    data: dict  # the tokenized data's summary: fingerprint, sha256, counts
-    demo: bool  # the built-in demo, whose samples have a ground-truth scorer
-    steps: StepBatches  # each step's global batch
+    train: data.PairTokens
+    eval: data.PairTokens
+    data: dict
+    """The tokenized data's summary: fingerprint, sha256, counts."""
+    demo: bool
+    """The built-in demo, whose samples have a ground-truth scorer."""
+    steps: batches.StepBatches
+    """Each step's global batch."""
     start_step: int
-    pad_id: int  # any id does: padding is never attended to nor scored
+    pad_id: int
+    """Any id does: padding is never attended to nor scored."""
     policy: torch.nn.Module
-    reference: (
-        torch.nn.Module | None
-    )  # None with --ref precompute or no reference; LoRA: the policy's base
-    ref_tables: dict = field(
-        default_factory=dict
-    )  # --ref precompute: (N, 2) [chosen, rejected] "train", "eval"
+    reference: torch.nn.Module | None
+    """None with --ref precompute or a reference-free loss; with LoRA, the policy's base."""
+    flop_coefficients: tuple[float, float, float]
+    """metrics.flop_coefficients of the policy."""
+    ref_tables: dict = field(default_factory=dict)
+    """--ref precompute: "train" and "eval", each (N, 2) [chosen, rejected] log-probs."""
 
 
-def setup(cfg: Config, world: int, device: torch.device) -> tuple[Run, torch.optim.Optimizer]:
-    """Resolve the config; read the data (rank 0 tokenizes) and the resume state; build the policy
-    and (online) a frozen reference, sharded alike, from weights rank 0 alone loads (LoRA: the
-    reference is the base, adapters off), or precompute its log-probs; then AdamW over the float32
-    master weights that train, as saved when resuming. Raises ValueError, naming the flag or the
-    file, for anything the user must fix."""
-    cfg = replace(cfg, batching=cfg.batching.resolve(world))
-    precision = resolve_precision(cfg.mixed_precision, device)
-    if precision.warning:
-        say(f"warning: {precision.warning}")
-    tokenizer = load_tokenizer(cfg.model)
-    model_config = load_model_config(cfg.model, tokenizer, cfg.dataset.max_length)
-    probe = prepare_model(
-        cfg, build_model(model_config)
-    )  # a bad --lora-targets fails here, before any weights
+def setup(cfg: Config, device: torch.device) -> tuple[Run, torch.optim.Optimizer]:
+    """Resolve the config (in place: the micro-batch size); read the data (rank 0 tokenizes) and
+    the resume state; build the policy and (online) a frozen reference, sharded alike, each rank
+    reading its own rows of the weights (LoRA: the reference is the base, adapters off), or
+    precompute the reference's log-probs; then AdamW over the float32 master weights that train, as
+    saved when resuming. Raises ValueError, naming the flag or the file, for anything the user must
+    fix."""
+    cfg.batching = cfg.batching.resolve(dist.get_world_size())
+    mixed = precision.resolve_precision(cfg.mixed_precision, device)
+    if mixed.warning:
+        metrics.say(f"warning: {mixed.warning}")
+    tokenizer = data.load_tokenizer(cfg.model)
+    model_config = models.load_model_config(cfg.model, tokenizer, cfg.dataset.max_length)
+    # A bad --lora-targets fails here, before any weights are read.
+    probe = prepare_model(cfg, models.build_model(model_config))
     if cfg.lora.export_merged:
-        check_mergeable(probe)
-    data_cfg, demo = on_rank0(
-        functools.partial(demo_config, cfg.dataset, write_jsonl)
-    )  # the demo's files: as any data
-    train, evals, data = load_tokens(
-        on_rank0(functools.partial(tokenize_to_cache, data_cfg, tokenizer, say))
-    )
-    steps = StepBatches(
-        train.lengths, cfg.batching, cfg.seed
-    )  # refuses less data than one batch, before loading
+        lora.check_mergeable(probe)
+    # The demo's files are data like any other, written once by rank 0.
+    dataset, is_demo = fsdp_setup.on_rank0(demo.demo_config, cfg.dataset, data.write_jsonl)
+    tokens_path = fsdp_setup.on_rank0(data.tokenize_to_cache, dataset, tokenizer, metrics.say)
+    train_pairs, eval_pairs, summary = data.load_tokens(tokens_path)
+    # Refuses less data than one batch, before any weights are read.
+    steps = batches.StepBatches(train_pairs.lengths, cfg.batching, cfg.seed)
     saved = None
     if cfg.checkpoints.resume:
-        path = find_checkpoint(os.path.join(cfg.out_dir, "checkpoints"), cfg.checkpoints.resume)
-        saved = {**read_trainer_state(path), "path": path}
-        saved["config"].setdefault(
-            "lora", asdict(LoraConfig())
-        )  # saved before LoRA existed: full fine-tuning
-        check_same_run(
-            saved, json.loads(json.dumps(_identity(cfg, data))), _SAME_RUN
-        )  # tuples as saved
+        saved = checkpoint.resume_state(
+            os.path.join(cfg.out_dir, "checkpoints"),
+            cfg.checkpoints.resume,
+            _identity(cfg, summary),
+            _SAME_RUN,
+        )
 
     def make():  # the model as trained, its parameters on the meta device; build_sharded fills them
-        return prepare_model(cfg, build_model(model_config))
+        return prepare_model(cfg, models.build_model(model_config))
 
-    on_rank0(
-        functools.partial(find_weights, cfg.model), share=False
-    )  # a hub id downloads once; the others wait
-    weights = open_weights(
-        cfg.model, model_config, cfg.seed
-    )  # every rank maps the files and reads its own rows
+    # A hub id is downloaded by rank 0 alone; the others wait, then find it in the cache.
+    fsdp_setup.on_rank0(models.find_weights, cfg.model, share=False)
+    # Every rank maps the files and reads only its own rows.
+    weights = models.open_weights(cfg.model, model_config, cfg.seed)
     if cfg.lora.lora_rank:
-        weights = initial_weights(
-            probe, weights
-        )  # the base's weights under peft's names, and the adapters
-    policy = build_sharded(make, weights, precision.mp_policy, device, cfg.fsdp).train(
-        cfg.dropout
-    )  # or eval
+        # The base's weights under peft's names, and the adapters as drawn.
+        weights = lora.initial_weights(probe, weights)
+    policy = fsdp_setup.build_sharded(make, weights, mixed.mp_policy, device, cfg.fsdp)
+    # Eval mode (no dropout) unless --dropout.
+    policy.train(cfg.dropout)
     reference = None
     online = cfg.objective.ref == "online" and not cfg.objective.reference_free
     if online and cfg.lora.lora_rank:
-        reference = WithoutAdapters(policy)
+        reference = lora.WithoutAdapters(policy)
     elif online:
-        reference = build_sharded(make, weights, precision.mp_policy, device, cfg.fsdp, frozen=True)
+        reference = fsdp_setup.build_sharded(
+            make, weights, mixed.mp_policy, device, cfg.fsdp, frozen=True
+        )
     del weights
     pad_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+    start_step = saved["step"] if saved else 0
     run = Run(
-        cfg,
-        device,
-        precision,
-        tokenizer,
-        train,
-        evals,
-        data,
-        demo,
-        steps,
-        saved["step"] if saved else 0,
-        pad_id,
-        policy,
-        reference,
+        cfg=cfg,
+        device=device,
+        precision=mixed,
+        tokenizer=tokenizer,
+        train=train_pairs,
+        eval=eval_pairs,
+        data=summary,
+        demo=is_demo,
+        steps=steps,
+        start_step=start_step,
+        pad_id=pad_id,
+        policy=policy,
+        reference=reference,
+        flop_coefficients=metrics.flop_coefficients(policy),
     )
-    say(
-        f"{cfg.model}: {sharded_line(policy)}, {precision.name}, {run.steps.total_steps} steps x "
+    metrics.say(
+        f"{cfg.model}: {metrics.sharded_line(policy)}, {mixed.name}, {steps.total_steps} steps x "
         f"{cfg.batching.batch_size} pairs; peak host memory after loading, GB by rank: "
-        + " ".join(f"{x:.2f}" for x in host_memory_by_rank_gb(device))
+        + " ".join(f"{x:.2f}" for x in metrics.host_memory_by_rank_gb(device))
     )
     if cfg.objective.ref == "precompute" and not cfg.objective.reference_free:
         run.ref_tables = load_or_precompute_ref(run, model_config)
-    optimizer = torch.optim.AdamW(
-        [p for p in policy.parameters() if p.requires_grad],
-        lr=cfg.lr,
-        weight_decay=cfg.weight_decay,
-        fused=True,
-    )
+    trained = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
     if saved:
-        rngs = load_checkpoint(
-            saved["path"], policy, optimizer, reference if cfg.objective.sync_ref_model else None
-        )
+        # TR-DPO's reference was saved too.
+        synced = reference if cfg.objective.sync_ref_model else None
+        rngs = checkpoint.load_checkpoint(saved["path"], policy, optimizer, synced)
+        # A pass-through scaler (not fp16) ignores a saved state.
         if saved["scaler"]:
-            precision.scaler.load_state_dict(saved["scaler"])  # a pass-through scaler ignores it
+            mixed.scaler.load_state_dict(saved["scaler"])
         note = (
             ""
             if rngs
             else f" (saved on {saved['world_size']} ranks: random generators not restored)"
         )
-        say(f"resumed from {saved['path']} at step {run.start_step}{note}")
+        metrics.say(f"resumed from {saved['path']} at step {start_step}{note}")
     return run, optimizer
 
 
-def _identity(cfg: Config, data: dict) -> dict:
+def _identity(cfg: Config, summary: dict) -> dict:
     """What a checkpoint records of its run, for check_same_run: the config and what it implies."""
-    return {"config": asdict(cfg), "data_sha256": data["train_sha256"]}
+    return {"config": asdict(cfg), "data_sha256": summary["train_sha256"]}
 
 
-# ------------------------------------------------------------------------------------------- models
+# ------------------------------------------------------------------------------------------ models
 def prepare_model(cfg: Config, model):
     """The model as trained: its output layer scores responses alone (loss.ScoredHead); LoRA's
     adapters on."""
-    add_scored_head(model)
+    loss.add_scored_head(model)
     if not cfg.lora.lora_rank:
         return model
-    model = add_adapters(model, cfg.lora, find_block_class(model), cfg.seed)
-    if not isinstance(model.get_output_embeddings(), ScoredHead):
+    model = lora.add_adapters(model, cfg.lora, fsdp_setup.find_block_class(model), cfg.seed)
+    if not isinstance(model.get_output_embeddings(), loss.ScoredHead):
         raise ValueError(
             "--lora-targets: the output layer takes no adapters here (it computes the log-probs)"
         )
@@ -548,127 +525,122 @@ def load_or_precompute_ref(run: Run, model_config) -> dict[str, torch.Tensor]:
     """--ref precompute's {"train", "eval"}: (N, 2) [chosen, rejected] summed log-probs of the
     untrained policy (LoRA: adapters off), cached in {cache_dir}/ref-<hash>.safetensors, keyed by
     all they depend on."""
+    ld_alpha = run.cfg.objective.ld_alpha
     key = {
-        "model": on_rank0(
-            functools.partial(model_identity, run.cfg.model, model_config, run.cfg.seed)
+        # Rank 0's identity of the model: file times may differ between nodes.
+        "model": fsdp_setup.on_rank0(
+            models.model_identity, run.cfg.model, model_config, run.cfg.seed
         ),
         "data": run.data["fingerprint"],
-        "precision": run.precision.name,  # rank 0's: nodes' file times differ
-        "ld_alpha": run.cfg.objective.ld_alpha,
+        "precision": run.precision.name,
+        "ld_alpha": ld_alpha,
     }
-    path = os.path.join(run.cfg.dataset.cache_dir, f"ref-{key_digest(key)[:20]}.safetensors")
-    if on_rank0(functools.partial(os.path.exists, path)):
-        say(f"reference log-probs: {path} (cached)")
+    path = os.path.join(run.cfg.dataset.cache_dir, f"ref-{data.key_digest(key)[:20]}.safetensors")
+    if fsdp_setup.on_rank0(os.path.exists, path):
+        metrics.say(f"reference log-probs: {path} (cached)")
         return safetensors.torch.load_file(path, device=str(run.device))
-    reference = WithoutAdapters(run.policy) if run.cfg.lora.lora_rank else run.policy
-    ld = run.cfg.objective.ld_alpha
-    with inference(run.policy):
+    reference = lora.WithoutAdapters(run.policy) if run.cfg.lora.lora_rank else run.policy
+
+    def chosen_rejected(idx, pairs):
+        logps = loss.response_logps(reference, pairs, ld_alpha)  # (2B,) [chosen; rejected]
+        return logps.view(2, -1).T  # (B, 2)
+
+    with fsdp_setup.inference(run.policy):
         tables = {
-            split: pair_table(
-                pairs,
-                2,
-                lambda idx, batch: response_logps(reference, batch, ld).view(2, -1).T,
-                run.cfg.batching.micro_batch_size,
-                run.pad_id,
-                run.device,
+            split: batches.pair_table(
+                pairs, 2, chosen_rejected, run.cfg.batching.micro_batch_size, run.pad_id, run.device
             )
             for split, pairs in (("train", run.train), ("eval", run.eval))
-        }  # (B, 2) a batch
-    tensors = {k: v.cpu() for k, v in tables.items()}
-    write = functools.partial(
-        safetensors.torch.save_file, tensors, metadata={"key": json.dumps(key, default=str)}
+        }
+
+    def write(tmp: str) -> None:
+        on_host = {split: table.cpu() for split, table in tables.items()}
+        safetensors.torch.save_file(on_host, tmp, metadata={"key": json.dumps(key, default=str)})
+
+    fsdp_setup.on_rank0(data.write_atomic, path, write, share=False)
+    metrics.say(
+        f"reference log-probs: computed {len(run.train) + len(run.eval)} pairs, cached at {path}"
     )
-    on_rank0(functools.partial(write_atomic, path, write), share=False)
-    say(f"reference log-probs: computed {len(run.train) + len(run.eval)} pairs, cached at {path}")
     return tables
 
 
-# -------------------------------------------------------------------------------------- bookkeeping
-def save(run: Run, optimizer, step: int) -> str:
+# ------------------------------------------------------------------------------------- bookkeeping
+def save(run: Run, saver: checkpoint.Checkpointer, optimizer, step: int) -> str:
     """A sharded checkpoint of `step`, with what a bit-exact resume needs beside the weights."""
-    cfg, scaler = run.cfg, run.precision.scaler
     per_epoch = run.steps.steps_per_epoch
-    position = {
-        "epoch": step // per_epoch,
-        "pairs_consumed": step % per_epoch * cfg.batching.batch_size,
-    }
+    scaler = run.precision.scaler
     extra = {
         "step": step,
-        **_identity(cfg, run.data),
-        "data_position": position,
+        **_identity(run.cfg, run.data),
+        "data_position": {
+            "epoch": step // per_epoch,
+            "pairs_consumed": step % per_epoch * run.cfg.batching.batch_size,
+        },
         "schedule": {
-            "lr": cfg.lr,
-            "warmup_steps": cfg.warmup_steps,
+            "lr": run.cfg.lr,
+            "warmup_steps": run.cfg.warmup_steps,
             "total_steps": run.steps.total_steps,
         },
         "scaler": scaler.state_dict() if scaler.is_enabled() else None,
     }
-    synced = (
-        run.reference if cfg.objective.sync_ref_model else None
-    )  # TR-DPO's reference changes: saved too
-    return save_checkpoint(
-        os.path.join(cfg.out_dir, "checkpoints"),
-        step,
-        run.policy,
-        optimizer,
-        extra,
-        keep_last=cfg.checkpoints.keep_last,
-        background=cfg.checkpoints.async_save,
-        reference=synced,
-    )
+    # TR-DPO's reference changes as it trains: it is saved too.
+    synced = run.reference if run.cfg.objective.sync_ref_model else None
+    return saver.save(step, run.policy, optimizer, extra, reference=synced)
 
 
-def export_final(run: Run, log: RunLog) -> None:
+def export_final(run: Run, log: metrics.RunLog) -> None:
     """{out_dir}/final, written by rank 0: the policy as a Hugging Face folder in --export-dtype
     (LoRA: a peft adapter folder, or the merged weights), the tokenizer and the resolved config;
     then the log is closed."""
-    cfg, rss = run.cfg, host_memory_by_rank_gb(run.device)
-    say("peak host memory during training, GB by rank: " + " ".join(f"{x:.2f}" for x in rss))
-    final, dtype = os.path.join(cfg.out_dir, "final"), getattr(torch, cfg.export_dtype)
-    entries = full_tensors(
-        run.policy, run.device
-    )  # every rank gathers one tensor at a time; rank 0 writes
-    if cfg.lora.lora_rank and not cfg.lora.export_merged:  # the adapters alone
+    cfg = run.cfg
+    metrics.say(
+        "peak host memory during training, GB by rank: "
+        + " ".join(f"{x:.2f}" for x in metrics.host_memory_by_rank_gb(run.device))
+    )
+    final = os.path.join(cfg.out_dir, "final")
+    dtype = getattr(torch, cfg.export_dtype)
+    # Every rank gathers one tensor at a time; rank 0 writes.
+    entries = fsdp_setup.full_tensors(run.policy, run.device)
+    if cfg.lora.lora_rank and not cfg.lora.export_merged:
+        # The adapters alone. The tiny base is a function of --seed: no name to give.
         adapters = {
             k: fetch().to("cpu", dtype) for k, tensor, fetch in entries if tensor.requires_grad
         }
-        base = None if cfg.model == "tiny" else cfg.model  # the tiny base is a function of --seed
-        on_rank0(functools.partial(save_adapters, run.policy, final, adapters, base), share=False)
-    elif cfg.lora.lora_rank:  # --export-merged
-        save_pretrained(
-            final, run.policy.get_base_model(), merged_entries(run.policy, entries), dtype
-        )
+        base = None if cfg.model == "tiny" else cfg.model
+        fsdp_setup.on_rank0(lora.save_adapters, run.policy, final, adapters, base, share=False)
+    elif cfg.lora.lora_rank:
+        merged = lora.merged_entries(run.policy, entries)
+        models.save_pretrained(final, run.policy.get_base_model(), merged, dtype)
     else:
-        save_pretrained(final, run.policy, entries, dtype)
-    on_rank0(
-        functools.partial(save_files, final, run.tokenizer, {"train_config.json": asdict(cfg)}),
-        share=False,
-    )
-    say(f"saved {final}")
-    on_rank0(log.close)  # only rank 0 has files (and W&B) to close; the others wait for it
+        models.save_pretrained(final, run.policy, entries, dtype)
+    config_file = {"train_config.json": asdict(cfg)}
+    fsdp_setup.on_rank0(fsdp_setup.save_files, final, run.tokenizer, config_file, share=False)
+    metrics.say(f"saved {final}")
+    # Only rank 0 has files (and W&B) to close; the others wait for it.
+    fsdp_setup.on_rank0(log.close)
 
 
-# --------------------------------------------------------------------------------------------- main
+# -------------------------------------------------------------------------------------------- main
 def _raise_config_error(event) -> None:
-    """A config's own ValueError reaches main() as one line, not tyro's box (tyro._errors: pinned
-    tyro's hook)."""
-    if (
-        isinstance(event, tyro._errors.InstantiationFailure) and event.argument is None
-    ):  # not a bad value's
+    """A config's own ValueError reaches main() as one line, not tyro's box (tyro._errors: the
+    pinned tyro's hook)."""
+    # An event with an argument is a bad value for one flag, which tyro reports itself.
+    if isinstance(event, tyro._errors.InstantiationFailure) and event.argument is None:
         raise ValueError(event.message)
 
 
 def main(argv: list[str] | None = None) -> None:
     transformers.utils.logging.disable_progress_bar()
-    try:  # repeated --data / --eval-data flags append
+    try:
+        # Repeated --data, --eval-data, --loss flags append.
         with tyro._errors.on_parse_error(_raise_config_error):
             cfg = tyro.cli(Config, args=argv, config=(tyro.conf.UseAppendAction,))
-        rank, world, device = init_distributed(cfg.fsdp.device, cfg.fsdp.replicas)
+        _, _, device = fsdp_setup.init_distributed(cfg.fsdp.device, cfg.fsdp.replicas)
     except ValueError as e:
-        say(f"error: {e}")
+        metrics.say(f"error: {e}")
         sys.exit(2)
     try:
-        code = train(cfg, rank, world, device)
+        code = train(cfg, device)
     finally:
         dist.destroy_process_group()
     if code:
@@ -679,5 +651,5 @@ if __name__ == "__main__":
     try:
         main()
     except SystemExit as e:
-        exit_without_shutdown(e.code)
-    exit_without_shutdown(0)
+        fsdp_setup.exit_without_shutdown(e.code)
+    fsdp_setup.exit_without_shutdown(0)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import train_dpo  # noqa: E402
+import fsdp_setup  # noqa: E402
 from fsdp_setup import find_block_class  # noqa: E402
 
 counted, inside = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}, [False]
@@ -48,24 +49,19 @@ dist.all_reduce = counting(
         else t[:0]
     ),
 )
-real_forward, real_metrics, real_setup = (
-    train_dpo.pair_logps,
-    train_dpo.step_metrics,
-    train_dpo.setup,
-)
+real_step = train_dpo.train_step
+real_setup = train_dpo.setup
 steps, seen = [], {}
 
 
-def pair_logps(*args, **kwargs):  # a training micro-batch: the step's collectives are counted
-    inside[0] = torch.is_grad_enabled()
-    return real_forward(*args, **kwargs)
-
-
-def step_metrics(*args, **kwargs):  # after the optimizer step: the step's collectives are done
+def train_step(*args, **kwargs):
+    """One training step, whose collectives are counted."""
+    inside[0] = True
+    stats = real_step(*args, **kwargs)
     inside[0] = False
     steps.append(dict(counted))
     counted.update(dict.fromkeys(counted, 0))
-    return real_metrics(*args, **kwargs)
+    return stats
 
 
 def setup(*args, **kwargs):  # the run, and the process group's shape while it exists
@@ -74,8 +70,7 @@ def setup(*args, **kwargs):  # the run, and the process group's shape while it e
     return run, optimizer
 
 
-train_dpo.pair_logps = pair_logps
-train_dpo.step_metrics = step_metrics
+train_dpo.train_step = train_step
 train_dpo.setup = setup
 try:
     train_dpo.main(sys.argv[1:])
@@ -135,4 +130,4 @@ if seen["rank"] == 0:
             }
         )
     )
-train_dpo.exit_without_shutdown(0)
+fsdp_setup.exit_without_shutdown(0)

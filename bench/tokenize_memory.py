@@ -30,7 +30,7 @@ before, tok, t0 = mem(), data.load_tokenizer(sys.argv[2]), time.perf_counter()
 config = data.DataConfig(
     data=(sys.argv[1],), max_length=1024, max_prompt_length=512, cache_dir=sys.argv[3]
 )
-train, _, _ = data.load_tokens(fsdp_setup.on_rank0(lambda: data.tokenize_to_cache(config, tok)))
+train, _, _ = data.load_tokens(fsdp_setup.on_rank0(data.tokenize_to_cache, config, tok))
 t = time.perf_counter() - t0
 sum(len(train[i]["chosen"]) for i in range(len(train)))  # touch every pair
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
