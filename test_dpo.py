@@ -2300,11 +2300,11 @@ def test_a_save_that_fails_partway_leaves_the_previous_checkpoint_latest(tmp_pat
 def test_resume_refuses_a_different_run_and_exports_in_the_chosen_dtype(tmp_path, capsys):
     data = tmp_path / "prefs.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in demo_pairs("train")[:64]))
+    on_data = ("--data", str(data))
     out = run(
         tmp_path,
         "run",
-        "--data",
-        str(data),
+        *on_data,
         "--max-steps",
         "2",
         "--save-every",
@@ -2314,11 +2314,12 @@ def test_resume_refuses_a_different_run_and_exports_in_the_chosen_dtype(tmp_path
     )
     from transformers import AutoModelForCausalLM
 
-    assert {v.dtype for v in load_safetensors(os.path.join(out, "final")).values()} == {
-        torch.bfloat16
-    }
+    exported = load_safetensors(os.path.join(out, "final"))
+    assert {v.dtype for v in exported.values()} == {torch.bfloat16}
     assert AutoModelForCausalLM.from_pretrained(os.path.join(out, "final")).dtype == torch.bfloat16
     capsys.readouterr()
+    resume = ["--out-dir", out, "--cache-dir", CACHE, "--batch-size", "16", *ON_CPU]
+    resume += ["--resume", "latest"]
     for args, message in (
         (["--batch-size", "8"], "--batch-size is 8 but the checkpoint was trained with 16"),
         (["--beta", "0.5"], "--beta is 0.5 but the checkpoint was trained with 0.1"),
@@ -2329,61 +2330,20 @@ def test_resume_refuses_a_different_run_and_exports_in_the_chosen_dtype(tmp_path
         ),
         (["--data", "demo"], "--data is ['demo'] but the checkpoint was trained with"),
     ):
+        # A repeated --data appends: the checkpoint's data only where args name none.
+        data_args = [] if "--data" in args else list(on_data)
         with pytest.raises(SystemExit) as exit_info:
-            data_args = (
-                [] if "--data" in args else ["--data", str(data)]
-            )  # a repeated --data appends
-            train_dpo.main(
-                [
-                    "--out-dir",
-                    out,
-                    "--cache-dir",
-                    CACHE,
-                    "--batch-size",
-                    "16",
-                    *ON_CPU,
-                    *data_args,
-                    "--resume",
-                    "latest",
-                    *args,
-                ]
-            )
+            train_dpo.main([*resume, *data_args, *args])
         err = capsys.readouterr().err.strip()
         assert exit_info.value.code == 2 and message in err and "\n" not in err, err
-    data.write_text(
-        "".join(json.dumps(p) + "\n" for p in demo_pairs("train")[1:65])
-    )  # same path, new content
+    # The same path, new content.
+    data.write_text("".join(json.dumps(p) + "\n" for p in demo_pairs("train")[1:65]))
     with pytest.raises(SystemExit):
-        train_dpo.main(
-            [
-                "--out-dir",
-                out,
-                "--cache-dir",
-                CACHE,
-                "--batch-size",
-                "16",
-                "--data",
-                str(data),
-                "--resume",
-                "latest",
-                *ON_CPU,
-            ]
-        )
+        train_dpo.main([*resume, *on_data])
     assert "the tokenized --data (its content, cut by this code) is" in capsys.readouterr().err
     # Settings that may change on resume: here the length of the run and the precision.
     data.write_text("".join(json.dumps(p) + "\n" for p in demo_pairs("train")[:64]))
-    run(
-        tmp_path,
-        "run",
-        "--data",
-        str(data),
-        "--max-steps",
-        "3",
-        "--precision",
-        "bf16",
-        "--resume",
-        "latest",
-    )
+    run(tmp_path, "run", *on_data, "--max-steps", "3", "--precision", "bf16", "--resume", "latest")
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
 
 
