@@ -239,7 +239,7 @@ def pair_table(
 def table_rows(table: torch.Tensor, idx: list[int]) -> torch.Tensor:
     """(2B,) [chosen; rejected], as in a PairBatch, of pairs `idx` from an (N, 2) [chosen, rejected]
     table."""
-    rows = table[to_device(torch.tensor(idx or [0]), table.device)]  # (B, 2)
+    rows = table[to_device(torch.tensor(idx or [0], device="cpu"), table.device)]  # (B, 2)
     return rows.T.reshape(-1)  # (2B,)
 
 

@@ -91,10 +91,12 @@ class Checkpointer:
         optimizer: Optimizer,
         extra: dict,
         reference: nn.Module | None = None,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> str:
         """Collective: root/step-{step} with the model and optimizer shards, this rank's RNG states
-        and trainer_state.json (`extra` and the world size); returns its path. reference: a frozen
-        model that changes in training (TR-DPO's), saved whole beside the model."""
+        and trainer_state.json (`extra`, the world size, and the state of an enabled fp16 loss
+        `scaler`); returns its path. reference: a frozen model that changes in training (TR-DPO's),
+        saved whole beside the model."""
         # At most one write in flight: its staged copy is the memory a background save costs.
         self.finish()
         path = os.path.join(self.root, f"step-{step}")
@@ -105,6 +107,8 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
             state = {**extra, "world_size": dist.get_world_size()}
+            if scaler is not None:
+                state["scaler"] = scaler.state_dict() if scaler.is_enabled() else None
             pathlib.Path(tmp, _STATE).write_text(json.dumps(state, indent=2))
         dist.barrier()
         # A shared file system may show another node rank 0's new folder late.
@@ -208,10 +212,14 @@ def read_trainer_state(path: str) -> dict:
 
 
 def load_checkpoint(
-    path: str, model: nn.Module, optimizer: Optimizer, reference: nn.Module | None = None
+    path: str,
+    model: nn.Module,
+    optimizer: Optimizer,
+    reference: nn.Module | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> bool:
-    """Load `path` into the sharded model and optimizer (and reference, as saved), and this rank's
-    RNGs unless the world size changed (False)."""
+    """Load `path` into the sharded model and optimizer (and reference, and an fp16 loss scaler's
+    state, as saved), and this rank's RNGs unless the world size changed (False)."""
     state = _trained_state(model, optimizer, reference)
     # Fails naming any key of `state` that the checkpoint lacks.
     dcp.load(state, checkpoint_id=path)
@@ -225,7 +233,11 @@ def load_checkpoint(
     )
     if reference is not None:
         set_model_state_dict(reference, state["reference"])
-    if read_trainer_state(path)["world_size"] != dist.get_world_size():
+    saved = read_trainer_state(path)
+    # A disabled scaler (not fp16) ignores a saved state.
+    if scaler is not None and saved.get("scaler"):
+        scaler.load_state_dict(saved["scaler"])
+    if saved["world_size"] != dist.get_world_size():
         return False
     rng = torch.load(os.path.join(path, f"rng-rank{dist.get_rank()}.pt"), weights_only=True)
     torch.set_rng_state(rng["torch"])

@@ -422,6 +422,16 @@ def save_files(folder: str, tokenizer=None, extra: dict | None = None) -> None:
             json.dump(obj, f, indent=2)
 
 
+def run_and_exit(main: Callable) -> None:
+    """main(), then exit with the code it gives sys.exit (0 when it returns), by
+    exit_without_shutdown."""
+    try:
+        main()
+    except SystemExit as e:
+        exit_without_shutdown(e.code)
+    exit_without_shutdown(0)
+
+
 def exit_without_shutdown(code: int | str | None) -> None:
     """Exit now with sys.exit's `code`, skipping interpreter shutdown, where a gloo thread still
     releasing a collective's tensors can abort (SIGABRT) a run that wrote everything. Files are

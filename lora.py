@@ -96,6 +96,10 @@ def add_adapters(
                 for name in module.adapter_layer_names:
                     getattr(module, name).to_empty(device="cpu")
                 module.reset_lora_parameters("default", True)
+    if isinstance(model.get_output_embeddings(), peft.tuners.lora.LoraLayer):
+        raise ValueError("--lora-targets: the output layer takes no adapters here")
+    if config.export_merged:
+        check_mergeable(model)
     return model
 
 

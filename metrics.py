@@ -108,6 +108,8 @@ class StepStats:
     """The fullest rank's peak memory so far: GPU memory allocated, or host memory on a CPU."""
     stop_requested: bool
     """A rank received a stop signal (SIGTERM, SIGUSR1, SIGINT) by the step's end."""
+    loss_scale: float | None = None
+    """fp16's loss scale after the step; None in other precisions."""
 
     def row(self, step: int, lr: float, seconds: float, pairs: int, peak_flops: float | None):
         """The step's metrics.jsonl row: the means, throughput over `seconds`, padding efficiency,
@@ -127,6 +129,8 @@ class StepStats:
         }
         if peak_flops:
             row["mfu"] = self.flops / seconds / peak_flops
+        if self.loss_scale is not None:
+            row["loss_scale"] = self.loss_scale
         return row
 
 

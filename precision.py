@@ -123,8 +123,13 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
-def skip_counts(scaler: torch.amp.GradScaler, loss: float) -> bool:
-    """Whether a skipped step counts toward --max-skipped-steps: not when its loss is finite and
-    fp16's gradients overflowed, which is the scaler finding its scale, unless the scale is below 1,
-    where halving is no cure."""
-    return not (scaler.is_enabled() and math.isfinite(loss) and scaler.get_scale() >= 1)
+def count_bad_steps(before: int, skipped: bool, loss: float, scaler: torch.amp.GradScaler) -> int:
+    """Consecutive steps toward --max-skipped-steps after a step that had `before` behind it: 0
+    after an update; one more after a skipped step, unless its loss is finite and fp16's gradients
+    overflowed, which is the scaler finding its scale (then as before), while the scale is at least
+    1 (below, halving is no cure)."""
+    if not skipped:
+        return 0
+    if scaler.is_enabled() and math.isfinite(loss) and scaler.get_scale() >= 1:
+        return before
+    return before + 1

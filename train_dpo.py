@@ -119,7 +119,6 @@ class Config:
 
 # Resuming with any of these changed is refused; all else may change (--max-steps, --lr, the
 # precision, ...). Every option of the loss counts, but not --ref: how the reference is computed.
-_OBJECTIVE = [f.name for f in fields(loss.LossConfig) if f.name != "ref"]
 _SAME_RUN = {
     name: "--" + name.replace("_", "-")
     for name in (
@@ -135,7 +134,7 @@ _SAME_RUN = {
         "lora_rank",
         "lora_alpha",
         "lora_targets",
-        *_OBJECTIVE,
+        *(f.name for f in fields(loss.LossConfig) if f.name != "ref"),
     )
 }
 _SAME_RUN["data_sha256"] = "the tokenized --data (its content, cut by this code)"
@@ -151,8 +150,6 @@ def train(cfg: Config, device: torch.device) -> int:
     except ValueError as e:
         metrics.say(f"error: {e}")
         return 2
-    scaler = run.precision.scaler
-    total_steps = run.steps.total_steps
     log = metrics.RunLog(
         cfg.out_dir, run.start_step, samples=cfg.sampling.num_samples > 0 and len(run.eval) > 0
     )
@@ -180,9 +177,9 @@ def train(cfg: Config, device: torch.device) -> int:
         # The baseline: where the samples and the curves start.
         evaluate_and_sample(run, log, 0, t0)
 
-    for step in range(run.start_step, total_steps):
+    for step in range(run.start_step, run.steps.total_steps):
         step_t0 = time.perf_counter()
-        lr = get_lr(step, cfg.lr, cfg.warmup_steps, total_steps)
+        lr = get_lr(step, cfg.lr, cfg.warmup_steps, run.steps.total_steps)
         stats = train_step(run, optimizer, run.steps(step), lr, stop)
         if cfg.objective.sync_ref_model and (step + 1) % cfg.objective.ref_model_sync_steps == 0:
             # TR-DPO: the reference moves toward the policy, shard by shard (after a skipped step
@@ -192,20 +189,16 @@ def train(cfg: Config, device: torch.device) -> int:
         seconds = time.perf_counter() - step_t0
         row = stats.row(step + 1, lr, seconds, cfg.batching.batch_size, peak_flops)
         row["elapsed_s"] = time.perf_counter() - t0
-        if scaler.is_enabled():
-            row["loss_scale"] = scaler.get_scale()
         log.write(row)
-        metrics.show_progress(step + 1, total_steps, row)
+        metrics.show_progress(step + 1, run.steps.total_steps, row)
 
-        if not stats.skipped:
-            bad_steps = 0
-        else:
+        if stats.skipped:
             metrics.say(
                 f"step {step + 1}: non-finite loss or gradient norm, step skipped on every rank"
             )
-            # An fp16 overflow with a finite loss is the scaler finding its scale: not counted.
-            if precision.skip_counts(scaler, stats.means["loss"]):
-                bad_steps += 1
+        bad_steps = precision.count_bad_steps(
+            bad_steps, stats.skipped, stats.means["loss"], run.precision.scaler
+        )
         if bad_steps >= cfg.mixed_precision.max_skipped_steps:
             metrics.say(
                 f"error: stopping at step {step + 1}: {bad_steps} consecutive steps since step "
@@ -215,11 +208,11 @@ def train(cfg: Config, device: torch.device) -> int:
             log.close()
             return 1
 
-        evaluate_now = cfg.sampling.eval_every and (step + 1) % cfg.sampling.eval_every == 0
-        if evaluate_now and step + 1 < total_steps:
+        eval_every = cfg.sampling.eval_every
+        if eval_every and (step + 1) % eval_every == 0 and step + 1 < run.steps.total_steps:
             evaluate_and_sample(run, log, step + 1, t0)
-        due = cfg.checkpoints.save_every and (step + 1) % cfg.checkpoints.save_every == 0
-        if due or stats.stop_requested:
+        save_every = cfg.checkpoints.save_every
+        if (save_every and (step + 1) % save_every == 0) or stats.stop_requested:
             path = save(run, saver, optimizer, step + 1)
         # A background save written by now moves `latest`; before a stop, wait for it.
         saver.finish(wait=stats.stop_requested)
@@ -235,7 +228,7 @@ def train(cfg: Config, device: torch.device) -> int:
 
     stop.restore()
     saver.finish()
-    evaluate_and_sample(run, log, total_steps, t0)
+    evaluate_and_sample(run, log, run.steps.total_steps, t0)
     export_final(run, log)
     return 0
 
@@ -274,16 +267,21 @@ def train_step(
         # Over the rank's pairs: FSDP averages gradients over the ranks, so the gradient is that of
         # the mean loss over the global batch.
         scaler.scale(out["losses"].sum() / len(mine)).backward()
-        counts = metrics.batch_counts(
-            run.flop_coefficients, cfg.objective.pairwise, passes, run.reference is not None, pairs
+        sums.add(
+            out,
+            metrics.batch_counts(
+                run.flop_coefficients,
+                cfg.objective.pairwise,
+                passes,
+                run.reference is not None,
+                pairs,
+            ),
         )
-        sums.add(out, counts)
 
     sums.all_reduce()
     # Two maxima in one all-reduce: the fullest rank's memory, and whether any rank must stop.
-    maxima = torch.tensor(
-        [metrics.peak_memory_gb(run.device), float(stop.signum > 0)], device=run.device
-    )
+    peaks = [metrics.peak_memory_gb(run.device), float(stop.signum > 0)]
+    maxima = torch.tensor(peaks, device=run.device)
     dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
 
     # fp16: clip the true gradients, not the scaled ones.
@@ -305,6 +303,7 @@ def train_step(
         skipped=skipped,
         peak_memory_gb=peak_memory_gb,
         stop_requested=stop_requested > 0,
+        loss_scale=scaler.get_scale() if scaler.is_enabled() else None,
     )
 
 
@@ -317,12 +316,11 @@ def pair_losses(
     ref_logps = None
     if run.ref_tables:
         ref_logps = batches.table_rows(run.ref_tables[split], idx)
-    objective = run.cfg.objective
     logps, ref_logps, log_weights = loss.pair_logps(
-        run.policy, run.reference, pairs, objective, ref_logps
+        run.policy, run.reference, pairs, run.cfg.objective, ref_logps
     )
     return loss.pair_loss(
-        logps, ref_logps, pairs.response_lengths, objective, tokens_per_pair, log_weights
+        logps, ref_logps, pairs.response_lengths, run.cfg.objective, tokens_per_pair, log_weights
     )
 
 
@@ -386,22 +384,17 @@ class Run:
     tokenizer: transformers.PreTrainedTokenizerBase
     train: data.PairTokens
     eval: data.PairTokens
-    data: dict
-    """The tokenized data's summary: fingerprint, sha256, counts."""
-    demo: bool
-    """The built-in demo, whose samples have a ground-truth scorer."""
-    steps: batches.StepBatches
-    """Each step's global batch."""
+    data: dict  # the tokenized data's summary: fingerprint, sha256, counts
+    demo: bool  # the built-in demo, whose samples have a ground-truth scorer
+    steps: batches.StepBatches  # each step's global batch
     start_step: int
-    pad_id: int
-    """Any id does: padding is never attended to nor scored."""
+    pad_id: int  # any id does: padding is never attended to nor scored
     policy: torch.nn.Module
+    # None with --ref precompute or a reference-free loss; with LoRA, the policy's base.
     reference: torch.nn.Module | None
-    """None with --ref precompute or a reference-free loss; with LoRA, the policy's base."""
-    flop_coefficients: tuple[float, float, float]
-    """metrics.flop_coefficients of the policy."""
+    flop_coefficients: tuple[float, float, float]  # metrics.flop_coefficients of the policy
+    # --ref precompute: "train" and "eval", each (N, 2) [chosen, rejected] log-probs.
     ref_tables: dict = field(default_factory=dict)
-    """--ref precompute: "train" and "eval", each (N, 2) [chosen, rejected] log-probs."""
 
 
 def setup(cfg: Config, device: torch.device) -> tuple[Run, torch.optim.Optimizer]:
@@ -417,14 +410,13 @@ def setup(cfg: Config, device: torch.device) -> tuple[Run, torch.optim.Optimizer
         metrics.say(f"warning: {mixed.warning}")
     tokenizer = data.load_tokenizer(cfg.model)
     model_config = models.load_model_config(cfg.model, tokenizer, cfg.dataset.max_length)
-    # A bad --lora-targets fails here, before any weights are read.
+    # A bad --lora-targets (or --export-merged) fails here, before any weights are read.
     probe = prepare_model(cfg, models.build_model(model_config))
-    if cfg.lora.export_merged:
-        lora.check_mergeable(probe)
     # The demo's files are data like any other, written once by rank 0.
     dataset, is_demo = fsdp_setup.on_rank0(demo.demo_config, cfg.dataset, data.write_jsonl)
-    tokens_path = fsdp_setup.on_rank0(data.tokenize_to_cache, dataset, tokenizer, metrics.say)
-    train_pairs, eval_pairs, summary = data.load_tokens(tokens_path)
+    train_pairs, eval_pairs, summary = data.load_tokens(
+        fsdp_setup.on_rank0(data.tokenize_to_cache, dataset, tokenizer, metrics.say)
+    )
     # Refuses less data than one batch, before any weights are read.
     steps = batches.StepBatches(train_pairs.lengths, cfg.batching, cfg.seed)
     saved = None
@@ -446,9 +438,9 @@ def setup(cfg: Config, device: torch.device) -> tuple[Run, torch.optim.Optimizer
     if cfg.lora.lora_rank:
         # The base's weights under peft's names, and the adapters as drawn.
         weights = lora.initial_weights(probe, weights)
+    # In eval mode (no dropout) unless --dropout.
     policy = fsdp_setup.build_sharded(make, weights, mixed.mp_policy, device, cfg.fsdp)
-    # Eval mode (no dropout) unless --dropout.
-    policy.train(cfg.dropout)
+    policy = policy.train(cfg.dropout)
     reference = None
     online = cfg.objective.ref == "online" and not cfg.objective.reference_free
     if online and cfg.lora.lora_rank:
@@ -483,15 +475,16 @@ def setup(cfg: Config, device: torch.device) -> tuple[Run, torch.optim.Optimizer
     )
     if cfg.objective.ref == "precompute" and not cfg.objective.reference_free:
         run.ref_tables = load_or_precompute_ref(run, model_config)
-    trained = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+    optimizer = torch.optim.AdamW(
+        [p for p in policy.parameters() if p.requires_grad],
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        fused=True,
+    )
     if saved:
         # TR-DPO's reference was saved too.
         synced = reference if cfg.objective.sync_ref_model else None
-        rngs = checkpoint.load_checkpoint(saved["path"], policy, optimizer, synced)
-        # A pass-through scaler (not fp16) ignores a saved state.
-        if saved["scaler"]:
-            mixed.scaler.load_state_dict(saved["scaler"])
+        rngs = checkpoint.load_checkpoint(saved["path"], policy, optimizer, synced, mixed.scaler)
         note = (
             ""
             if rngs
@@ -513,19 +506,14 @@ def prepare_model(cfg: Config, model):
     loss.add_scored_head(model)
     if not cfg.lora.lora_rank:
         return model
-    model = lora.add_adapters(model, cfg.lora, fsdp_setup.find_block_class(model), cfg.seed)
-    if not isinstance(model.get_output_embeddings(), loss.ScoredHead):
-        raise ValueError(
-            "--lora-targets: the output layer takes no adapters here (it computes the log-probs)"
-        )
-    return model
+    # The output layer computes the log-probs: lora.add_adapters refuses adapters on it.
+    return lora.add_adapters(model, cfg.lora, fsdp_setup.find_block_class(model), cfg.seed)
 
 
 def load_or_precompute_ref(run: Run, model_config) -> dict[str, torch.Tensor]:
     """--ref precompute's {"train", "eval"}: (N, 2) [chosen, rejected] summed log-probs of the
     untrained policy (LoRA: adapters off), cached in {cache_dir}/ref-<hash>.safetensors, keyed by
     all they depend on."""
-    ld_alpha = run.cfg.objective.ld_alpha
     key = {
         # Rank 0's identity of the model: file times may differ between nodes.
         "model": fsdp_setup.on_rank0(
@@ -533,7 +521,7 @@ def load_or_precompute_ref(run: Run, model_config) -> dict[str, torch.Tensor]:
         ),
         "data": run.data["fingerprint"],
         "precision": run.precision.name,
-        "ld_alpha": ld_alpha,
+        "ld_alpha": run.cfg.objective.ld_alpha,
     }
     path = os.path.join(run.cfg.dataset.cache_dir, f"ref-{data.key_digest(key)[:20]}.safetensors")
     if fsdp_setup.on_rank0(os.path.exists, path):
@@ -542,7 +530,9 @@ def load_or_precompute_ref(run: Run, model_config) -> dict[str, torch.Tensor]:
     reference = lora.WithoutAdapters(run.policy) if run.cfg.lora.lora_rank else run.policy
 
     def chosen_rejected(idx, pairs):
-        logps = loss.response_logps(reference, pairs, ld_alpha)  # (2B,) [chosen; rejected]
+        logps = loss.response_logps(
+            reference, pairs, run.cfg.objective.ld_alpha
+        )  # (2B,) [chosen; rejected]
         return logps.view(2, -1).T  # (B, 2)
 
     with fsdp_setup.inference(run.policy):
@@ -567,25 +557,22 @@ def load_or_precompute_ref(run: Run, model_config) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------------- bookkeeping
 def save(run: Run, saver: checkpoint.Checkpointer, optimizer, step: int) -> str:
     """A sharded checkpoint of `step`, with what a bit-exact resume needs beside the weights."""
-    per_epoch = run.steps.steps_per_epoch
-    scaler = run.precision.scaler
     extra = {
         "step": step,
         **_identity(run.cfg, run.data),
         "data_position": {
-            "epoch": step // per_epoch,
-            "pairs_consumed": step % per_epoch * run.cfg.batching.batch_size,
+            "epoch": step // run.steps.steps_per_epoch,
+            "pairs_consumed": step % run.steps.steps_per_epoch * run.cfg.batching.batch_size,
         },
         "schedule": {
             "lr": run.cfg.lr,
             "warmup_steps": run.cfg.warmup_steps,
             "total_steps": run.steps.total_steps,
         },
-        "scaler": scaler.state_dict() if scaler.is_enabled() else None,
     }
     # TR-DPO's reference changes as it trains: it is saved too.
     synced = run.reference if run.cfg.objective.sync_ref_model else None
-    return saver.save(step, run.policy, optimizer, extra, reference=synced)
+    return saver.save(step, run.policy, optimizer, extra, synced, run.precision.scaler)
 
 
 def export_final(run: Run, log: metrics.RunLog) -> None:
@@ -613,8 +600,9 @@ def export_final(run: Run, log: metrics.RunLog) -> None:
         models.save_pretrained(final, run.policy.get_base_model(), merged, dtype)
     else:
         models.save_pretrained(final, run.policy, entries, dtype)
-    config_file = {"train_config.json": asdict(cfg)}
-    fsdp_setup.on_rank0(fsdp_setup.save_files, final, run.tokenizer, config_file, share=False)
+    fsdp_setup.on_rank0(
+        fsdp_setup.save_files, final, run.tokenizer, {"train_config.json": asdict(cfg)}, share=False
+    )
     metrics.say(f"saved {final}")
     # Only rank 0 has files (and W&B) to close; the others wait for it.
     fsdp_setup.on_rank0(log.close)
@@ -648,8 +636,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except SystemExit as e:
-        fsdp_setup.exit_without_shutdown(e.code)
-    fsdp_setup.exit_without_shutdown(0)
+    fsdp_setup.run_and_exit(main)
