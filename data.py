@@ -29,6 +29,15 @@ _HH_MARKER = "\n\nAssistant:"
 _SPACE = re.compile(r"\s*")
 _DECODER = json.JSONDecoder()
 _CHUNK = 2048  # rows per tokenizer call: batched calls are faster
+# What a JSON value is, by the type it decodes to, for error messages.
+_JSON_KINDS = {
+    dict: "an object",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+}
 
 
 @dataclass
@@ -170,6 +179,14 @@ def _read_source(spec: str) -> list[tuple[str, object]]:
                     raise DataError(
                         f"{spec}:{line}: invalid JSON ({e.msg} at column {e.colno})"
                     ) from None
+        # A .json file holding one value, not an array: as JSON Lines it would be one pair (or a
+        # non-object row), and fail later without naming the cause. More rows are JSON Lines
+        # under a .json name, as datasets' to_json writes them.
+        if spec.endswith(".json") and len(rows) == 1:
+            raise DataError(
+                f"{rows[0][0]}: expected a JSON array of pair objects, got "
+                f"{_JSON_KINDS[type(rows[0][1])]}"
+            )
         return rows
     # A JSON array, decoded element by element so every row keeps the line it starts on, for error
     # messages.

@@ -74,6 +74,11 @@ class FSDPConfig:
     cpu_offload: bool = False
     """The policy's shards, gradients and AdamW state in host memory, its optimizer step on the CPU:
     less GPU memory."""
+    deterministic: bool = False
+    """Deterministic algorithms only (and cuBLAS's fixed workspace), so that a resumed run repeats
+    the uninterrupted one bit for bit on GPUs too: an op without a deterministic kernel then fails
+    naming itself. Off, GPU runs repeat only to rounding (flash attention's backward on long rows
+    sums in varying order)."""
     replicas: int = 1
     """HSDP: R copies of the model, each sharded over world/R consecutive ranks (e.g. one node), so
     only gradient shards cross copies (an all-reduce over the R copies). 1: every rank shards one
@@ -85,12 +90,12 @@ class FSDPConfig:
 
 
 def init_distributed(
-    device: str = "auto", replicas: int = 1, timeout_s: int = 1800
+    device: str = "auto", replicas: int = 1, timeout_s: int = 1800, deterministic: bool = False
 ) -> tuple[int, int, torch.device]:
     """Start the process group on `device` (auto, cuda or cpu); returns (rank, world_size, device).
     Without torchrun (no RANK) this process is a world of one, so FSDP2 and every collective run
     through the same code. On CUDA: nccl for CUDA tensors, gloo for CPU ones (object collectives,
-    barriers, DCP). replicas: checked to divide the world."""
+    barriers, DCP). replicas: checked to divide the world. deterministic: see FSDPConfig."""
     if device not in ("auto", "cuda", "cpu"):
         raise ValueError(f"--device {device!r} is not one of auto, cuda, cpu")
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -111,6 +116,10 @@ def init_distributed(
         # cuDNN attention (SDPA's pick on Hopper) plans on the host for each new padded length;
         # flash needs no plan.
         torch.backends.cuda.enable_cudnn_sdp(False)
+    if deterministic:
+        # Read by cuBLAS when CUDA starts: a fixed workspace makes its reductions repeatable.
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    torch.use_deterministic_algorithms(deterministic)
     device_id = device if cuda else None
     # Under torchrun: keys of its own in the store, not an earlier group's in this process (main()
     # may run again). Alone: a HashStore needs no free port, so two single-process runs on one
@@ -132,15 +141,19 @@ def init_distributed(
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def on_rank0(fn, *args, share: bool = True):
+def on_rank0(fn, *args, share: bool = True, per_node: bool = False):
     """fn(*args) on rank 0 alone; its result (share=False: None elsewhere) or failure (a ValueError
     as one, any other as a RuntimeError) reaches every rank. The others wait on the store: a
-    collective could time out in a long rank-0 job."""
+    collective could time out in a long rank-0 job. per_node: on each node's first rank (LOCAL_RANK
+    0, torchrun's consecutive ranks), for its node's ranks: work on a node's own disk."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return fn(*args)
-    key = f"dpo/on_rank0/{next(_rank0_calls)}"
+    leader = 0
+    if per_node:
+        leader = dist.get_rank() - int(os.environ.get("LOCAL_RANK", 0))
+    key = f"dpo/on_rank0/{next(_rank0_calls)}/{leader}"
     store = dist.distributed_c10d._get_default_store()
-    if dist.get_rank() == 0:
+    if dist.get_rank() == leader:
         try:
             result = fn(*args)
         # The other ranks must hear of any failure (Ctrl-C too), or they would wait on.
@@ -329,7 +342,7 @@ def load_sharded(
     # A persistent buffer the files hold (a trained bias) takes their value.
     for name, buf in model.named_buffers():
         if name in weights and name in persistent:
-            buf.copy_(weights[name])
+            buf.copy_(weights[name][:])
     with torch.no_grad():
         # A tied weight comes once, under its first name.
         for name, param in model.named_parameters():
@@ -341,7 +354,9 @@ def load_sharded(
                     "files"
                 )
             local = param.to_local() if isinstance(param, DTensor) else param
-            local.copy_(full[_local_rows(param)])
+            # A rank that holds no rows of this weight (more ranks than experts) reads nothing.
+            if local.numel():
+                local.copy_(full[_local_rows(param)])
 
 
 def _local_rows(param: torch.Tensor) -> slice:

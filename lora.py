@@ -64,8 +64,8 @@ def add_adapters(
     """`model` (a Hugging Face causal LM) as a peft model with LoRA adapters on config.lora_targets
     (default: every nn.Linear in a `block_class` module), all else frozen. The adapters are made on
     the CPU whatever the base's device (the meta device too), as peft initializes them (B zero: the
-    model computes what it did), drawn from a generator seeded by `seed`, the global one
-    untouched."""
+    model computes what it did), drawn from `seed`; every global generator (CPU, CUDA) is left as it
+    was."""
     import peft
 
     targets = list(config.lora_targets) or _block_linears(model, block_class)
@@ -76,8 +76,11 @@ def add_adapters(
         target_modules=targets,
         task_type="CAUSAL_LM",
     )
+    # peft draws from the global CPU generator (restored on exit), seeded alone: torch.manual_seed
+    # would also reseed every CUDA generator, which fork_rng(devices=[]) does not restore, changing
+    # the run's dropout and sampling.
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)
         # A warning about peft's own use of a renamed transformers attribute: nothing the user can
         # act on.
         warnings.filterwarnings(

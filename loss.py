@@ -237,19 +237,21 @@ def _chunk_rows(vocab: int, device: torch.device, matmul: bool = False) -> int:
 
 class _TokenLogps(torch.autograd.Function):
     """log softmax(logits)[targets] in float32, chunk by chunk over the N scored rows, where a row's
-    logits are x[index] (index None: x's rows in order), through the output layer `weight` (V, H)
-    when given. Forward keeps only the (N,) log-sum-exp besides its inputs; backward recomputes each
-    chunk's softmax and writes d/dlogits = grad * (onehot(target) - softmax) into x's gradient (and
-    the weight's, accumulated in float32). So no (N, V) float32 tensor ever exists, nor, with
-    `weight`, any (N, V) logits at all. squares=True returns (2N,): then each row's log sum_v p(v)^2
-    (WPO's), from the same logits, which get no gradient through them."""
+    logits are x[index] (index None: x's rows in order), or x's rows through the output layer
+    `weight` (V, H) when given. Forward keeps only the (N,) log-sum-exp besides its inputs;
+    backward recomputes each chunk's softmax and writes d/dlogits = grad * (onehot(target) -
+    softmax) into x's gradient; through `weight`, in chunks of the vocabulary instead
+    (_head_backward). So no (N, V) float32 tensor ever exists, nor, with `weight`, any (N, V)
+    logits at all. squares=True returns (2N,): then each row's log sum_v p(v)^2 (WPO's), from the
+    same logits, which get no gradient through them."""
 
     @staticmethod
     def forward(ctx, x, index, targets, weight, squares):
-        """x: (M, V) logits or (M, H) hidden states; index: (N,) or None; targets: (N,); weight:
-        (V, H) or None; squares: bool."""
+        """x: (M, V) logits or (N, H) hidden states; index: (N,) or None, None with weight;
+        targets: (N,); weight: (V, H) or None; squares: bool."""
         n = len(targets)
-        chunk = _chunk_rows(_vocab(x, weight), x.device, matmul=weight is not None)
+        vocab = x.shape[-1] if weight is None else len(weight)
+        chunk = _chunk_rows(vocab, x.device, matmul=weight is not None)
         out = torch.empty(2 * n if squares else n, dtype=torch.float32, device=x.device)
         lse = torch.empty(n, dtype=torch.float32, device=x.device)
         for i in range(0, n, chunk):
@@ -267,50 +269,59 @@ class _TokenLogps(torch.autograd.Function):
     def backward(ctx, grad):
         x, index, targets, weight, lse = ctx.saved_tensors
         # No gradient flows through the squares (WPO's weights).
-        grad = grad[: len(targets)]
-        chunk = _chunk_rows(_vocab(x, weight), x.device, matmul=weight is not None)
+        grad = grad[: len(targets), None]
+        if weight is not None:
+            return _head_backward(x, targets, weight, lse, grad, ctx.needs_input_grad[3])
+        chunk = _chunk_rows(x.shape[-1], x.device)
         grad_x = torch.zeros_like(x)
-        grad_weight = None
         for i in range(0, len(targets), chunk):
-            rows = slice(i, i + chunk)
-            if index is not None:
-                rows = index[i : i + chunk]
-            g = grad[i : i + chunk, None]
+            rows = slice(i, i + chunk) if index is None else index[i : i + chunk]
+            g = grad[i : i + chunk]
             # d/dlogits = g * (onehot(target) - softmax), (chunk, V). Out of place first: without
-            # weight or index the chunk is a view of x, which must stay as it was.
-            logits = _chunk_logits(x, index, weight, i, i + chunk)
-            d = logits.float().sub(lse[i : i + chunk, None]).exp_().mul_(-g)
-            d = d.scatter_add_(-1, targets[i : i + chunk, None], g).to(x.dtype)
-            if weight is None:
-                grad_x[rows] = d
-                continue
-            grad_x[rows] = d @ weight
-            if ctx.needs_input_grad[3]:
-                # (V, H) in x's dtype, summed into one float32 (V, H) buffer in all.
-                part = d.T @ x[rows]
-                if grad_weight is None:
-                    grad_weight = part.float()
-                else:
-                    grad_weight.add_(part)
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        return grad_x, None, None, grad_weight, None
+            # index the chunk is a view of x, which must stay as it was.
+            d = x[rows].float().sub(lse[i : i + chunk, None]).exp_().mul_(-g)
+            grad_x[rows] = d.scatter_add_(-1, targets[i : i + chunk, None], g).to(x.dtype)
+        return grad_x, None, None, None, None
 
 
-def _vocab(x: torch.Tensor, weight: torch.Tensor | None) -> int:
-    if weight is None:
-        return x.shape[-1]
-    return len(weight)
+def _head_backward(x, targets, weight, lse, grad, weight_grad: bool):
+    """_TokenLogps' gradients through the output layer, block by block over the vocabulary rather
+    than the rows: a block's (N, block) d/dlogits, recomputed from the saved log-sum-exp, times
+    the N rows is that block of the weight's gradient, whole (summed over every row in one matmul),
+    and is written straight into it in the weight's dtype. So the weight's gradient is the only
+    (V, H) tensor made: no float32 (V, H) sum of per-chunk parts, no (V, H) part per chunk, no
+    float32 copy to cast at the end. What sums across blocks is x's (N, H) gradient, in float32."""
+    # Vocabulary rows per block: an (N, block) float32 chunk as large as a (rows, V) one.
+    block = _chunk_rows(max(len(x), 1), x.device, matmul=True)
+    grad_x = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    grad_weight = torch.empty_like(weight) if weight_grad else None
+    for v in range(0, len(weight), block):
+        w = weight[v : v + block]
+        d = _product(x, w.T).float().sub_(lse[:, None]).exp_().mul_(-grad)
+        # The one-hot's column in this block; rows whose target is in another block add 0.
+        column = targets[:, None] - v
+        inside = (column >= 0) & (column < len(w))
+        d = d.scatter_add_(-1, column.clamp(0, len(w) - 1), grad * inside).to(x.dtype)
+        grad_x += _product(d, w)
+        if weight_grad:
+            # Into the gradient itself: a product made first and copied in would be a second
+            # (V, H) tensor when one block holds the whole vocabulary.
+            torch.mm(d.T, x, out=grad_weight[v : v + block])
+    return grad_x.to(x.dtype), None, None, grad_weight, None
 
 
 def _chunk_logits(x, index, weight, start: int, end: int) -> torch.Tensor:
-    """Logits of scored rows start:end, (end - start, V), in x's dtype; through a bf16 or fp16
-    output layer on CUDA in float32, as cuBLAS accumulates them, not rounded to 8 bits of mantissa
-    first (torch has no such CPU kernel)."""
+    """Logits of scored rows start:end, (end - start, V), as _product makes them."""
     rows = x[start:end] if index is None else x[index[start:end]]
-    if weight is not None and rows.is_cuda and rows.dtype in (torch.bfloat16, torch.float16):
-        return torch.mm(rows, weight.T, out_dtype=torch.float32)
-    return rows if weight is None else rows @ weight.T
+    return rows if weight is None else _product(rows, weight.T)
+
+
+def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in a's dtype; from bf16 or fp16 on CUDA in float32, as cuBLAS accumulates it, not
+    rounded to 8 bits of mantissa first (torch has no such CPU kernel)."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a @ b
 
 
 @dataclass

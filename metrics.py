@@ -136,14 +136,17 @@ class StepStats:
 
 def flop_coefficients(model) -> tuple[float, float, float]:
     """(a, b, c) for forward_flops from a Hugging Face causal LM (sharded or not): a = 2 per weight
-    of every matmul in the blocks (every expert's), b = attention's two (T x T) matmuls per layer, c
-    = 2 per output-layer weight."""
+    of every matmul a token runs in the blocks (of a mixture of experts, its top k experts'), b =
+    attention's two (T x T) matmuls per layer, c = 2 per output-layer weight."""
     head = model.get_output_embeddings().weight
     # Embeddings are lookups, and the output layer counts apart: on the scored tokens alone.
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     apart = embeddings | {id(head)}
     linear = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in apart)
     c = model.config
+    # A mixture of experts stacks them, (experts, out, in): each token runs its top k of them.
+    stacked = [p for p in model.parameters() if p.dim() == 3]
+    linear += sum(p.numel() // p.shape[0] * c.num_experts_per_tok for p in stacked)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     width = c.num_attention_heads * head_dim
     return 2.0 * linear, 4.0 * c.num_hidden_layers * width, 2.0 * head.numel()

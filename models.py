@@ -19,6 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 import transformers
+from transformers import conversion_mapping, core_model_loading
 
 # safetensors' dtype names
 _DTYPES = {
@@ -131,6 +132,7 @@ def open_weights(name: str, config, seed: int) -> dict[str, torch.Tensor]:
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         return model.state_dict()
+    # Under the files' names: transformers may rename or fuse them for the model.
     weights = {}
     for path in find_weights(name):
         with open(path, "rb") as f:
@@ -148,7 +150,70 @@ def open_weights(name: str, config, seed: int) -> dict[str, torch.Tensor]:
             # then a copy.
             piece = data[begin:end].clone() if begin % dtype.itemsize else data[begin:end]
             weights[key] = piece.view(dtype).view(meta["shape"])
-    return weights
+    return _converted_for(build_model(config), weights)
+
+
+def _converted_for(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict:
+    """The files' `weights` under `model`'s parameter names, as transformers' from_pretrained
+    converts them for its class (its own renames, e.g. GPT-NeoX's embed_out as lm_head, and
+    converters, e.g. a mixture-of-experts layer's experts stacked into one tensor): a weight that a
+    converter builds is a _Converted, made when its rows are asked for."""
+    mapping = conversion_mapping.get_model_conversion_mapping(model)
+    renamings = [t for t in mapping if isinstance(t, core_model_loading.WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, core_model_loading.WeightConverter)]
+    names = model.state_dict()
+    converted = {}
+    # In transformers' order, which puts expert 2 before expert 10.
+    for key in sorted(weights, key=core_model_loading.dot_natural_key):
+        name, pattern = core_model_loading.rename_source_key(
+            key, renamings, converters, model.base_model_prefix, names
+        )
+        if pattern is None:
+            converted[name] = weights[key]
+        else:
+            converter = next(c for c in converters if pattern in c.source_patterns)
+            target = converted.setdefault(name, _Converted(converter, model.config))
+            target.sources.setdefault(pattern, []).append(weights[key])
+    return converted
+
+
+class _Converted:
+    """A weight that a transformers converter builds from several in the files. Its rows are made
+    on demand: where the converter first stacks a list (one tensor per expert) on dim 0 and then
+    works within rows, only the asked rows' tensors are read (a rank reads its own experts' bytes);
+    otherwise the whole weight is made, then sliced."""
+
+    def __init__(self, converter: core_model_loading.WeightConverter, config):
+        self.converter = converter
+        self.config = config
+        # {source pattern: [tensors in the files]}, as the converter's operations take them.
+        self.sources = {}
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._convert(self.sources, device="meta").shape
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        first, *rest = self.converter.operations
+        if (
+            isinstance(first, core_model_loading.MergeModulelist)
+            and first.dim == 0
+            and all(getattr(op, "dim", 0) > 0 for op in rest)
+        ):
+            return self._convert({p: tensors[rows] for p, tensors in self.sources.items()})
+        return self._convert(self.sources)[rows]
+
+    def _convert(self, sources: dict, device: str = "cpu") -> torch.Tensor:
+        # The operations consume their input dict: a fresh one each time.
+        tensors = {p: [t.to(device) for t in listed] for p, listed in sources.items()}
+        for op in self.converter.operations:
+            tensors = op.convert(
+                tensors,
+                source_patterns=self.converter.source_patterns,
+                target_patterns=self.converter.target_patterns,
+                config=self.config,
+            )
+        return tensors[self.converter.target_patterns[0]]
 
 
 def save_pretrained(folder: str, model: torch.nn.Module, entries: list, dtype: torch.dtype) -> None:
@@ -156,61 +221,95 @@ def save_pretrained(folder: str, model: torch.nn.Module, entries: list, dtype: t
     floats in `dtype`, as model.safetensors (numbered files and their index past 50 GB), holding one
     tensor at a time. entries: (name, tensor, fetch): the model's tensor, sharded or not, for its
     shape and dtype, and fetch() its full value. Every rank calls, as fetch may be a collective;
-    rank 0 writes."""
+    rank 0 writes. The files hold what the model's own save_pretrained writes (_saved_groups)."""
+    # A plain build of the class: transformers looks conversions up by class name, which FSDP2
+    # changes.
+    plain = build_model(model.config)
+    groups = _saved_groups(plain, entries, dtype)
     if dist.is_initialized() and dist.get_rank() > 0:
         # The other ranks take part in each gather, in rank 0's order.
-        for _, _, fetch in entries:
-            fetch()
+        for group, _ in groups:
+            for _, _, fetch in group:
+                fetch()
         return
-    # Each file's (name, tensor, fetch, dtype written); a new file past 50 GB.
+    # Each file's groups; a new file past 50 GB.
     files = [[]]
     size = 0
     total = 0
-    for name, tensor, fetch in entries:
-        out = dtype if tensor.is_floating_point() else tensor.dtype
-        if files[-1] and size + tensor.numel() * out.itemsize > _FILE_BYTES:
+    for group, saved in groups:
+        nbytes = sum(t.numel() * t.dtype.itemsize for t in saved.values())
+        if files[-1] and size + nbytes > _FILE_BYTES:
             files.append([])
             size = 0
-        files[-1].append((name, tensor, fetch, out))
-        size += tensor.numel() * out.itemsize
-        total += tensor.numel() * out.itemsize
+        files[-1].append((group, saved))
+        size += nbytes
+        total += nbytes
     os.makedirs(folder, exist_ok=True)
     # An earlier export's files go, which may be split otherwise.
     for old in glob.glob(os.path.join(folder, "model*.safetensors*")):
         os.remove(old)
     # The export's dtype, not the float32 masters'; and the class vLLM builds, not FSDP2's.
     model.config.dtype = dtype
-    model.config.architectures = [type(model).__name__.removeprefix("FSDP")]
+    model.config.architectures = [type(plain).__name__]
     model.config.save_pretrained(folder)
     model.generation_config.save_pretrained(folder)
     weight_map = {}
-    for i, group in enumerate(files):
+    for i, in_file in enumerate(files):
         file = "model.safetensors"
         if len(files) > 1:
             file = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
         header = {"__metadata__": {"format": "pt"}}
         offset = 0
-        for name, tensor, _, out in group:
-            header[name] = {
-                "dtype": _NAMES[out],
-                "shape": list(tensor.shape),
-                "data_offsets": [offset, offset + tensor.numel() * out.itemsize],
-            }
-            offset = header[name]["data_offsets"][1]
-            weight_map[name] = file
+        for _, saved in in_file:
+            for name, tensor in saved.items():
+                header[name] = {
+                    "dtype": _NAMES[tensor.dtype],
+                    "shape": list(tensor.shape),
+                    "data_offsets": [offset, offset + tensor.numel() * tensor.dtype.itemsize],
+                }
+                offset = header[name]["data_offsets"][1]
+                weight_map[name] = file
         text = json.dumps(header).encode()
         # The data starts 8-byte aligned.
         text += b" " * (-len(text) % 8)
         path = os.path.join(folder, file)
         with open(path + ".tmp", "wb") as f:
             f.write(len(text).to_bytes(8, "little") + text)
-            for _, _, fetch, out in group:
-                f.write(fetch().to("cpu", out).contiguous().view(-1).view(torch.uint8).numpy())
+            for group, saved in in_file:
+                fetched = {key: fetch() for key, _, fetch in group}
+                tensors = core_model_loading.revert_weight_conversion(plain, fetched)
+                for name, tensor in saved.items():
+                    written = tensors.pop(name).to("cpu", tensor.dtype).contiguous()
+                    f.write(written.view(-1).view(torch.uint8).numpy())
         # A rename: a file is whole or absent.
         os.replace(path + ".tmp", path)
     if len(files) > 1:
         with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def _saved_groups(plain: torch.nn.Module, entries: list, dtype: torch.dtype) -> list:
+    """`entries` grouped as save_pretrained of the `plain` model converts them back to the layout
+    transformers loads (GPT-NeoX's lm_head as embed_out; a layer's stacked experts as one tensor per
+    expert and projection), which older transformers, vLLM and other tools read: [(entries, {saved
+    name: meta tensor, floats in `dtype`})], the entries of a group fetched together."""
+    mapping = conversion_mapping.get_model_conversion_mapping(plain, add_legacy=False)
+    converters = [t for t in mapping if isinstance(t, core_model_loading.WeightConverter)]
+    reverse = [t.reverse_transform() for t in converters[::-1]]
+    groups = {}
+    for entry in entries:
+        target, pattern = core_model_loading.apply_converters(entry[0], reverse)
+        groups.setdefault(target if pattern else entry[0], []).append(entry)
+    saved = []
+    for group in groups.values():
+        shapes = {
+            name: torch.empty(
+                t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device="meta"
+            )
+            for name, t, _ in group
+        }
+        saved.append((group, core_model_loading.revert_weight_conversion(plain, shapes)))
+    return saved
 
 
 def model_identity(name: str, config, seed: int) -> dict:

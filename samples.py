@@ -74,7 +74,10 @@ def sample_completions(
     ]
 
 
+# Compiled blocks run eager here: generation's variants (KV cache, one-token queries, one per layer
+# index) would fill the training graph's recompile limit, past which training runs eager too.
 @torch.no_grad()
+@torch.compiler.set_stance("force_eager")
 def generate(
     model,
     prompts: list[list[int]],
@@ -88,8 +91,10 @@ def generate(
     """Each prompt's completion ids without EOS: greedy at temperature 0, else sampled from a
     generator seeded by `seed`. A collective under torch.distributed, as every FSDP2 forward is one:
     call it on every rank. Unlike Hugging Face's `generate`, which stops when this rank's sequences
-    end and hangs the others, ranks stop together. device: where forward runs (default: the
-    parameters'; give it when they are offloaded to the host)."""
+    end and hangs the others, ranks stop together. An FSDP2 model's blocks stay gathered for the
+    whole generation where they fit, rather than gathered again for each token, then resharded.
+    device: where forward runs (default: the parameters'; give it when they are offloaded to the
+    host)."""
     device = device or next(model.parameters()).device
     width = max(len(p) for p in prompts)
     # Left-padded, (B, P): every prompt ends where generation starts.
@@ -103,6 +108,7 @@ def generate(
     cache = None
     was_training = model.training
     model.eval()
+    kept = _keep_gathered(model, device)
     for _ in range(max_new_tokens):
         result = model(
             input_ids=input_ids,
@@ -132,5 +138,37 @@ def generate(
         positions = positions[:, -1:] + 1
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
     model.train(was_training)
+    # Training's settings back, and only shards in memory again.
+    for group, setting in kept:
+        group.post_forward_mesh_info = setting
+        group.reshard()
     rows = torch.stack(out, dim=1).tolist()  # (B, new tokens)
     return [row[: row.index(eos_id)] if eos_id in row else row for row in rows]
+
+
+def _keep_gathered(model, device: torch.device) -> list:
+    """An FSDP2 model's parameter groups, each with its reshard-after-forward setting, turned off
+    where the gathered parameters fit on `device`: one all-gather per block for a whole generation,
+    not one per token. [] where nothing changed."""
+    if not hasattr(model, "set_reshard_after_forward"):
+        return []
+    if device.type == "cuda":
+        dtype = model._get_fsdp_state()._mp_policy.param_dtype
+        gathered = sum(p.numel() * (dtype or p.dtype).itemsize for p in model.parameters())
+        # What this process can still allocate: free, or cached and unused.
+        free = torch.cuda.mem_get_info(device)[0]
+        room = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        # A quarter stays for the KV cache, activations and logits; past that, per token as before.
+        if gathered > 0.75 * room:
+            return []
+    # The root settles its own setting (kept gathered, unless asked) at its first forward: settled
+    # before it is saved, so that training gets what it would have had.
+    model._get_fsdp_state()._lazy_init()
+    kept = [
+        (group, group.post_forward_mesh_info)
+        for module in model.modules()
+        if hasattr(module, "set_reshard_after_forward")
+        for group in module._get_fsdp_state()._fsdp_param_groups
+    ]
+    model.set_reshard_after_forward(False)
+    return kept

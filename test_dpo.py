@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import tokenize as pytokenize
+import weakref
 
 import pytest
 import safetensors.torch
@@ -30,6 +31,8 @@ import torch
 import torch.distributed as dist
 import transformers
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import train_dpo
 import data
@@ -59,7 +62,7 @@ from data import (
 )
 from demo import demo_files, demo_pairs, score_completion
 from fsdp_setup import FSDPConfig, apply_ac, find_block_class, full_tensors
-from lora import LoraConfig, WithoutAdapters, initial_weights
+from lora import LoraConfig, WithoutAdapters, add_adapters, initial_weights
 from loss import (
     LossConfig,
     add_scored_head,
@@ -233,16 +236,23 @@ def torchrun(nproc, out, *args, script=None, device="cpu", env=None):
 
 RUNS = """
 import json, os, sys
-import data, fsdp_setup, train_dpo
+import checkpoint, data, fsdp_setup, train_dpo
 real, calls = data.tokenize_pairs, []
+real_find, finds = checkpoint.find_checkpoint, []
 
 def tokenize_pairs(*args, **kwargs):  # counted: which ranks tokenize
     calls.append(1)
     return real(*args, **kwargs)
 
+def find_checkpoint(*args):  # counted: which ranks resolve --resume
+    finds.append(1)
+    return real_find(*args)
+
 data.tokenize_pairs = tokenize_pairs
+checkpoint.find_checkpoint = find_checkpoint
 for argv in json.loads(sys.argv[1]):  # runs in turn, each with a process group of its own
     calls.clear()
+    finds.clear()
     error = None
     try:
         train_dpo.main(argv)
@@ -250,7 +260,7 @@ for argv in json.loads(sys.argv[1]):  # runs in turn, each with a process group 
         error = str(e)
     out_dir = argv[argv.index("--out-dir") + 1]
     with open(os.path.join(out_dir, f"run-{os.environ['RANK']}.json"), "w") as f:
-        json.dump({"tokenize_calls": len(calls), "error": error}, f)
+        json.dump({"tokenize_calls": len(calls), "resolves": len(finds), "error": error}, f)
 fsdp_setup.exit_without_shutdown(0)
 """
 
@@ -258,7 +268,7 @@ fsdp_setup.exit_without_shutdown(0)
 def torchrun_runs(nproc, runs, pythonpath=()):
     """Several trainer runs (lists of trainer_args) in turn in one start of nproc ranks: fewer
     process starts. Each run's out_dir gets run-{rank}.json: its data.tokenize_pairs calls there,
-    and the RuntimeError that ended it."""
+    its checkpoint.find_checkpoint calls ("resolves") and the RuntimeError that ended it."""
     script = os.path.join(CACHE, "runs.py")
     with open(script, "w") as f:
         f.write(RUNS)
@@ -611,7 +621,7 @@ def test_weight_files_at_unaligned_offsets_read_right(tmp_path):
     text = json.dumps(header).encode() + b" " * (-len(json.dumps(header)) % 8)
     data = b"".join(t.view(torch.uint8).numpy().tobytes() for t in tensors.values())
     (tmp_path / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + data)
-    read = open_weights(str(tmp_path), None, 0)
+    read = open_weights(str(tmp_path), tiny_config()[0], 0)
     assert all(torch.equal(read[k], v) and read[k].dtype == v.dtype for k, v in tensors.items())
 
 
@@ -785,6 +795,117 @@ def test_logged_flops_match_pytorch_flop_counter(loss, online, lora_rank):
         assert ours == pytest.approx(counter.get_total_flops(), rel=1e-2)
     else:
         assert ours == counter.get_total_flops()
+
+
+# The fused head's tests: vocabulary V, hidden size H, scored tokens N.
+HEAD_V = 2000
+HEAD_H = 128
+HEAD_N = 40
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Counts the storages that ops make while it is on (not those they write into or view): the
+    peak of their bytes alive at once, and then each one's (bytes, dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = {}
+        self.now = 0
+        self.peak = 0
+        self.at_peak = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat_args = tree_flatten((args, kwargs))[0]
+        inputs = {a.untyped_storage().data_ptr() for a in flat_args if isinstance(a, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key in self.live:
+                self.live[key][1] += 1
+            elif key in inputs:
+                continue
+            else:
+                self.live[key] = [t.untyped_storage().nbytes(), 1, t.dtype]
+                self.now += self.live[key][0]
+                if self.now > self.peak:
+                    self.peak = self.now
+                    self.at_peak = sorted((n, dtype) for n, _, dtype in self.live.values())
+            weakref.finalize(t, self._drop, key)
+        return out
+
+    def _drop(self, key):
+        self.live[key][1] -= 1
+        if self.live[key][1] == 0:
+            self.now -= self.live.pop(key)[0]
+
+
+def _small_chunks(vocab, device, matmul=False):
+    """loss._chunk_rows for a float32 chunk of 2**14 elements: of the (N, V) scores, 5 chunks of 8
+    rows, or 5 blocks of 409 vocabulary rows (the last 364)."""
+    return max(1, 2**14 // vocab)
+
+
+def _head(dtype, n=HEAD_N):
+    """(hidden (n, H), weight (V, H), targets (n,), grad (n,)), the first two in `dtype`."""
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(n, HEAD_H, generator=g).to(dtype)
+    weight = (torch.randn(HEAD_V, HEAD_H, generator=g) * 0.3).to(dtype)
+    return hidden, weight, torch.randint(0, HEAD_V, (n,), generator=g), torch.randn(n, generator=g)
+
+
+def _float32_grads(hidden, weight, targets, grad):
+    """The gradients of grad . log_softmax(hidden @ weight.T)[targets], all of it in float32."""
+    h32 = hidden.float().requires_grad_()
+    w32 = weight.float().requires_grad_()
+    logps = (h32 @ w32.T).log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+    return torch.autograd.grad(logps, (h32, w32), grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_head_backward_makes_no_vocab_sized_tensor_but_the_weight_gradient(
+    dtype, monkeypatch
+):
+    """Summed chunk by chunk over the rows, the weight's gradient held a float32 (V, H) sum and a
+    (V, H) part per chunk, the last two at once; by vocabulary blocks, each block of the gradient is
+    one matmul over all rows, made in place."""
+    monkeypatch.setattr(loss, "_chunk_rows", _small_chunks)
+    hidden, weight, targets, grad = _head(dtype)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logps = loss._TokenLogps.apply(h, None, targets, w, False)
+    live = _LiveBytes()
+    with live:
+        logps.backward(grad)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 3e-2}
+    h32_grad, w32_grad = _float32_grads(hidden, weight, targets, grad)
+    assert h.grad.dtype == w.grad.dtype == dtype
+    torch.testing.assert_close(h.grad.float(), h32_grad, **tol)
+    torch.testing.assert_close(w.grad.float(), w32_grad, **tol)
+    # At the peak, of all that holds as much as a bf16 (V, H): the weight's gradient alone.
+    assert [(n, d) for n, d in live.at_peak if n >= HEAD_V * HEAD_H * 2] == [
+        (HEAD_V * HEAD_H * w.itemsize, dtype)
+    ]
+    gradients = (HEAD_V + HEAD_N) * HEAD_H * w.itemsize
+    assert live.peak - gradients < HEAD_V * HEAD_H * 2, (live.peak, gradients)
+
+
+def test_fused_head_backward_of_a_frozen_weight_or_no_tokens(monkeypatch):
+    """A frozen output layer (LoRA's) gets no gradient, and none is made; no scored tokens give zero
+    gradients."""
+    monkeypatch.setattr(loss, "_chunk_rows", _small_chunks)
+    hidden, weight, targets, grad = _head(torch.float32)
+    h = hidden.clone().requires_grad_()
+    logps = loss._TokenLogps.apply(h, None, targets, weight, False)
+    live = _LiveBytes()
+    with live:
+        logps.backward(grad)
+    torch.testing.assert_close(h.grad, _float32_grads(hidden, weight, targets, grad)[0])
+    assert weight.grad is None and max(n for n, _ in live.at_peak) < HEAD_V * HEAD_H
+    hidden, weight, targets, grad = _head(torch.float32, n=0)
+    h, w = hidden.requires_grad_(), weight.requires_grad_()
+    loss._TokenLogps.apply(h, None, targets, w, False).backward(grad)
+    assert h.grad.shape == (0, HEAD_H) and (w.grad is None or not w.grad.any())
 
 
 def test_step0_loss_is_ln2_and_rewards_zero():
@@ -1373,6 +1494,12 @@ BAD_INPUTS = {
         ":2: invalid JSON",
     ),
     "notobject.jsonl": ('["a", "b", "c"]\n', ":1: expected an object"),
+    "object.json": (
+        '{"prompt": "a", "chosen": "b", "rejected": "c"}\n',
+        ":1: expected a JSON array of pair objects, got an object",
+    ),
+    "string.json": ('\n"pairs"\n', ":2: expected a JSON array of pair objects, got a string"),
+    "number.json": ("3", ":1: expected a JSON array of pair objects, got a number"),
     "empty.jsonl": ("\n  \n", ":1: empty file"),
     "absent.jsonl": (None, ": no such file"),
     "latin1.jsonl": (
@@ -1380,6 +1507,16 @@ BAD_INPUTS = {
         ":2: not UTF-8 text (byte 0xe9 at column 16)",
     ),
 }
+
+
+def test_json_lines_under_a_json_name_still_read(tmp_path):
+    # As datasets' Dataset.to_json writes them: one object per line.
+    path = tmp_path / "lines.json"
+    path.write_text(
+        '{"prompt": "a", "chosen": "b", "rejected": "c"}\n'
+        '{"prompt": "a", "chosen": "d", "rejected": "e"}\n'
+    )
+    assert [r["where"] for r in read_rows(str(path))] == [f"{path}:1", f"{path}:2"]
 
 
 @pytest.mark.parametrize("name", sorted(BAD_INPUTS))
@@ -1498,6 +1635,31 @@ def test_auto_skips_gpus_that_only_emulate_bf16(monkeypatch):
         torch.cuda, "is_bf16_supported", lambda including_emulation=True: True
     )  # an A100 or H100
     assert resolve_precision(PrecisionConfig("auto"), gpu).name == "bf16"
+
+
+def test_deterministic_turns_on_deterministic_kernels_and_cublas_workspace_and_off_again(
+    monkeypatch,
+):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    for deterministic in (True, False):
+        fsdp_setup.init_distributed("cpu", deterministic=deterministic)
+        try:
+            assert torch.are_deterministic_algorithms_enabled() is deterministic
+        finally:
+            dist.destroy_process_group()
+        # cuBLAS reads it when CUDA starts: set by the first, left by the second.
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    # The flag reaches init_distributed (which here stops the run at once).
+    seen = []
+
+    def init_distributed(*args, deterministic):
+        seen.append(deterministic)
+        raise ValueError("stop")
+
+    monkeypatch.setattr(fsdp_setup, "init_distributed", init_distributed)
+    with pytest.raises(SystemExit):
+        train_dpo.main(["--deterministic"])
+    assert seen == [True]
 
 
 def test_each_process_takes_its_own_gpu_however_many_it_sees(monkeypatch):
@@ -1699,6 +1861,139 @@ def test_a_folder_without_the_weights_the_model_needs_fails_with_one_line(tmp_pa
             CPU,
             FSDPConfig(),
         )
+
+
+# Architectures whose files transformers converts while loading, as their own save_pretrained writes
+# them: GPT-NeoX names its output layer embed_out; Qwen3-MoE keeps one tensor per expert and
+# projection, fused into (experts, 2 x intermediate, hidden) on load; Mixtral does both (renames
+# block_sparse_moe, fuses w1 and w3).
+CONVERTED = ("gpt_neox", "qwen3_moe", "mixtral")
+
+
+def converted_model(kind):
+    """A tiny random model of `kind` (CONVERTED) by transformers, with a tokenizer, in CACHE."""
+    folder = os.path.join(CACHE, f"model-{kind}")
+    if os.path.isdir(folder):
+        return folder
+    # transformers loads Mixtral folders with a fast tokenizer only.
+    tok = _bos_tokenizer() if kind == "mixtral" else load_tokenizer("tiny")
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    moe = dict(num_experts_per_tok=2, num_key_value_heads=2, intermediate_size=64)
+    config = {
+        "gpt_neox": transformers.GPTNeoXConfig(
+            intermediate_size=128, tie_word_embeddings=False, **common
+        ),
+        "qwen3_moe": transformers.Qwen3MoeConfig(
+            moe_intermediate_size=64, num_experts=4, head_dim=16, **moe, **common
+        ),
+        "mixtral": transformers.MixtralConfig(num_local_experts=4, **moe, **common),
+    }[kind]
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _file_tensors(folder):
+    return load_safetensors_file(os.path.join(folder, "model.safetensors"))
+
+
+@pytest.mark.parametrize("kind", CONVERTED)
+def test_converted_checkpoints_load_as_transformers_loads_them_and_export_as_it_saves(
+    kind, tmp_path
+):
+    """The trainer's sharded load against from_pretrained's logits, bit for bit; its export against
+    the files save_pretrained wrote: the same names, layout and values."""
+    folder = converted_model(kind)
+    config = load_model_config(folder)
+    expected = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with world_of_one():
+        model = fsdp_setup.build_sharded(
+            functools.partial(build_model, config),
+            open_weights(folder, config, 0),
+            MixedPrecisionPolicy(),
+            CPU,
+            FSDPConfig(),
+        )
+        with torch.no_grad():
+            torch.testing.assert_close(
+                model(input_ids=ids).logits, expected(input_ids=ids).logits, rtol=0, atol=0
+            )
+        models.save_pretrained(str(tmp_path), model, full_tensors(model, CPU), torch.float32)
+    written, saved = _file_tensors(tmp_path), _file_tensors(folder)
+    assert written.keys() == saved.keys()
+    assert all(torch.equal(written[k], saved[k]) for k in saved)
+
+
+def test_a_rank_reads_only_the_experts_of_its_own_rows():
+    """A stacked expert weight's rows 0 and 1 are made from experts 0 and 1 alone: the other
+    experts' tensors are on the meta device, which holds no data to read."""
+    folder = converted_model("qwen3_moe")
+    config = load_model_config(folder)
+    fused = "model.layers.1.mlp.experts.gate_up_proj"
+    expected = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    weight = open_weights(folder, config, 0)[fused]
+    assert weight.shape == expected.get_parameter(fused).shape == (4, 128, 64)
+    for tensors in weight.sources.values():
+        tensors[2:] = [t.to("meta") for t in tensors[2:]]
+    assert torch.equal(weight[0:2], expected.get_parameter(fused)[0:2])
+    with pytest.raises(NotImplementedError):
+        weight[1:3]
+
+
+def converted_args(kind):
+    return ("--model", converted_model(kind), "--max-steps", "2", "--lr", "1e-3")
+
+
+@pytest.fixture(scope="module")
+def converted_runs(tmp_path_factory):
+    """1-rank runs of 2 steps on each of CONVERTED, and a LoRA run on GPT-NeoX exporting the merged
+    model: {name: out_dir}."""
+    folder = tmp_path_factory.mktemp("converted")
+    outs = {kind: run(folder, kind, *converted_args(kind)) for kind in CONVERTED}
+    lora_args = (*converted_args("gpt_neox"), *LORA, "--export-merged")
+    outs["lora"] = run(folder, "lora", *lora_args)
+    return outs
+
+
+@pytest.mark.parametrize("kind", [*CONVERTED, "lora"])
+def test_converted_checkpoints_train_from_ln2_on_one_and_two_ranks_and_export_loadably(
+    kind, converted_runs, two_ranks
+):
+    """From loss ln 2; two ranks as one; the export has save_pretrained's names, loads in
+    transformers and scores the held-out set as the run's last evaluation did."""
+    one = converted_runs[kind]
+    folder = converted_model("gpt_neox" if kind == "lora" else kind)
+    assert read_metrics(one)[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    final = os.path.join(one, "final")
+    assert _file_tensors(final).keys() == _file_tensors(folder).keys()
+    if kind != "lora":
+        _assert_same_run(one, str(two_ranks[0][kind]), exact=False)
+        # The run's own line: the last before it says where it saved.
+        err = two_ranks[1].split(f"saved {two_ranks[0][kind] / 'final'}")[0]
+        by_rank = re.findall(r"after loading, GB by rank: ([\d.]+) ([\d.]+)", err)[-1]
+        assert max(map(float, by_rank)) <= 1.15 * min(map(float, by_rank))
+    model = add_scored_head(transformers.AutoModelForCausalLM.from_pretrained(final))
+    reference = add_scored_head(transformers.AutoModelForCausalLM.from_pretrained(folder))
+    tok = transformers.AutoTokenizer.from_pretrained(final)
+    pairs = tokenize(HELD_OUT_PAIRS, tok, 512, 256)
+    with torch.no_grad():
+        out = forward_pairs(
+            model.eval(), reference.eval(), collate_pairs(pairs, tok.pad_token_id), LossConfig()
+        )
+    last = read_metrics(one, "eval")[-1]
+    assert out["losses"].mean().item() == pytest.approx(last["loss"], rel=1e-4)
+    assert last["loss"] < math.log(2) - 1e-3
 
 
 def test_bf16_keeps_float32_masters_grads_optimizer_state_and_loss():
@@ -2436,16 +2731,21 @@ def init(**kwargs):
 
 @pytest.fixture(scope="module")
 def two_ranks(six_steps, tmp_path_factory):
-    """Seven runs in one start of two ranks (torchrun_runs), each checked by its own test.
-    "resumed": six_steps's step-4 checkpoint resumed with micro-batches of 2 (4 a step and rank),
+    """Ten runs in one start of two ranks (torchrun_runs), each checked by its own test.
+    "resumed": six_steps's step-4 checkpoint, copied as its latest, resumed (--resume latest) with
+    micro-batches of 2 (4 a step and rank),
     tokenizing into an empty cache; "offload": the same with --cpu-offload (and activation
     checkpointing), saving every step; "eval": EVAL_ARGS; "lora": REF_DATA with REF_LORA, offloaded;
     "wandb": a W&B project whose wandb.init fails (FAILING_WANDB); "objectives": OBJECTIVES;
-    "oracle": ORACLE_ARGS. Returns ({name: out_dir}, stderr of all)."""
+    "oracle": ORACLE_ARGS; each of CONVERTED: converted_args. Returns ({name: out_dir}, stderr of
+    all)."""
     folder = tmp_path_factory.mktemp("two-ranks")
-    names = ("resumed", "offload", "eval", "lora", "wandb", "objectives", "oracle")
+    names = ("resumed", "offload", "eval", "lora", "wandb", "objectives", "oracle", *CONVERTED)
     outs = {name: folder / name for name in names}
     resume = os.path.join(six_steps[0], "checkpoints", "step-4")
+    # "resumed" finds six_steps's step 4 as its own latest checkpoint.
+    shutil.copytree(resume, outs["resumed"] / "checkpoints" / "step-4")
+    (outs["resumed"] / "checkpoints" / "latest").write_text("step-4")
     (folder / "fake").mkdir()
     (folder / "fake" / "wandb.py").write_text(FAILING_WANDB)
     proc = torchrun_runs(
@@ -2458,7 +2758,7 @@ def two_ranks(six_steps, tmp_path_factory):
                 "--micro-batch-size",
                 "2",
                 "--resume",
-                resume,
+                "latest",
                 "--cache-dir",
                 str(folder / "cache"),
             ),
@@ -2487,11 +2787,12 @@ def two_ranks(six_steps, tmp_path_factory):
             trainer_args(outs["wandb"], "--max-steps", "2", "--wandb-project", "p"),
             trainer_args(outs["objectives"], *OBJECTIVES),
             trainer_args(outs["oracle"], *ORACLE_ARGS),
+            *[trainer_args(outs[kind], *converted_args(kind)) for kind in CONVERTED],
         ],
         pythonpath=[str(folder / "fake")],
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for name in ("resumed", "offload", "eval", "lora", "objectives", "oracle"):
+    for name in ("resumed", "offload", "eval", "lora", "objectives", "oracle", *CONVERTED):
         assert [r["error"] for r in run_records(outs[name], 2)] == [None, None], proc.stderr[-3000:]
     return outs, proc.stderr
 
@@ -2571,8 +2872,8 @@ real_find = models.find_weights
 real_step = train_dpo.train_step
 steps = [0]
 
-def init_distributed(*args):  # collectives time out after 10 s
-    return real_init(*args, timeout_s=10)
+def init_distributed(*args, **kwargs):  # collectives time out after 10 s
+    return real_init(*args, timeout_s=10, **kwargs)
 
 def find_weights(*args):  # rank 0's download takes longer than any collective may wait
     time.sleep(12)
@@ -2621,6 +2922,8 @@ def test_one_rank_checkpoint_resumes_on_two_ranks_accumulating_micro_batches(six
     # This run's lines: the first of the start.
     err = two_ranks[1].split(f"saved {two / 'final'}")[0]
     assert "resumed from" in err and "at step 4 (saved on 1 ranks" in err
+    # Rank 0 alone resolves --resume latest, for both.
+    assert [r["resolves"] for r in run_records(two, 2)] == [1, 0]
     _assert_same_rows(read_metrics(full)[4:], read_metrics(str(two)))
     wa, wb = load_safetensors(os.path.join(full, "final")), load_safetensors(str(two / "final"))
     assert set(wa) == set(wb) == _hf_export_names()
@@ -3328,6 +3631,7 @@ def test_wpo_log_weights_and_ld_dpo_sums_match_a_naive_full_softmax_with_gradien
         ),
         (["--sync-ref-model", "--ref-model-sync-steps", "0"], "--ref-model-sync-steps >= 1"),
         (["--ref-model-mixup-alpha", "2"], "--ref-model-mixup-alpha must be in [0, 1]"),
+        (["--async-save", "--cpu-offload"], "--async-save with --cpu-offload would copy the"),
         (["--loss", "sft", "--use-weighting"], "they need a preference --loss"),
         (
             ["--loss", "dpo", "--loss", "sft", "--loss-weights", "1"],
@@ -3396,6 +3700,161 @@ dist.destroy_process_group()
 # as fsdp_setup.exit_without_shutdown: no interpreter shutdown while gloo's threads let go
 os._exit(0)
 """
+
+
+def test_compiled_training_with_evaluation_and_samples_stays_under_the_recompile_limit(
+    tmp_path, monkeypatch
+):
+    """Past the limit, Dynamo runs the blocks eager without a word; here it fails the run instead.
+    Generation's forwards (a KV cache, one-token queries, a variant per layer index) ran compiled
+    code and filled the limit. Dynamo's guards decide the variants: its eager backend skips
+    inductor's compile time."""
+    from torch._dynamo.utils import counters
+
+    real = torch.nn.Module.compile
+
+    def compile_eager(self, *args, **kwargs):
+        real(self, *args, **kwargs, backend="eager")
+
+    monkeypatch.setattr(torch.nn.Module, "compile", compile_eager)
+
+    # Variants of the blocks' code object from earlier compiled runs in this process would count.
+    torch._dynamo.reset()
+    counters.clear()
+    args = ("--max-steps", "2", "--eval-every", "1", "--compile")
+    sampling = ("--num-samples", "2", "--sample-max-tokens", "4")
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            train_dpo.main(trainer_args(tmp_path / "run", *args, *sampling))
+    finally:
+        torch._dynamo.reset()
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "samples.jsonl")]
+    assert len(rows) == 2 * 2  # two samples at each of the two evaluations
+    # Training, evaluation and the reference: a few variants, well under the limit of 8.
+    assert 0 < counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
+
+
+GATHERS = """
+import json, os, sys
+import torch, torch.distributed as dist
+from torch.distributed.tensor import DTensor
+import data, fsdp_setup, models, precision, samples, train_dpo
+
+rank, world, device = fsdp_setup.init_distributed("cpu")
+tok = data.load_tokenizer("tiny")
+config = models.load_model_config("tiny", tok)
+cfg = train_dpo.Config()
+mp_policy = precision.resolve_precision(precision.PrecisionConfig("fp32"), device).mp_policy
+
+
+def make():
+    return train_dpo.prepare_model(cfg, models.build_model(config))
+
+
+model = fsdp_setup.build_sharded(
+    make, models.open_weights("tiny", config, 4), mp_policy, device, cfg.fsdp
+)
+gathers = [0]
+
+
+def counted(real):
+    def gather(*args, **kwargs):
+        gathers[0] += 1
+        return real(*args, **kwargs)
+
+    return gather
+
+
+# FSDP2's all-gathers, whichever of the two it calls.
+dist.all_gather_single = counted(dist.all_gather_single)
+dist.all_gather_into_tensor = counted(dist.all_gather_into_tensor)
+prompts = [tok("Review the red lamp:")["input_ids"][:-1], tok("Hi")["input_ids"][:-1]]
+groups = [g for m in model.modules() if hasattr(m, "_get_fsdp_state")
+          for g in m._get_fsdp_state()._fsdp_param_groups]
+
+
+def settings():
+    return [g.post_forward_mesh_info is not None for g in groups]
+
+
+def sharded():
+    return all(
+        isinstance(p, DTensor) and p.to_local().numel() <= -(-p.numel() // world)
+        for p in model.parameters()
+    )
+
+
+def nothing_kept(model, device):
+    return []
+
+
+def run(new_tokens, per_token):
+    real = samples._keep_gathered
+    if per_token:  # the old path: each block resharded after each forward
+        samples._keep_gathered = nothing_kept
+    gathers[0] = 0
+    out = samples.generate(model, prompts, new_tokens, eos_id=-1, pad_id=tok.pad_token_id)
+    samples._keep_gathered = real
+    return {"gathers": gathers[0], "out": out, "settings": settings(), "sharded": sharded()}
+
+
+def leaders():
+    # Which ranks run on_rank0(per_node=True): as torchrun set LOCAL_RANK (one node), then as on
+    # two nodes of one rank each.
+    calls = []
+    fsdp_setup.on_rank0(calls.append, rank, share=False, per_node=True)
+    os.environ["LOCAL_RANK"] = "0"
+    fsdp_setup.on_rank0(calls.append, rank, share=False, per_node=True)
+    return calls
+
+
+before = settings()
+# Generation first: the root settles its own setting at its first forward, as in training.
+result = {"kept": [run(2, False), run(8, False)], "per_token": [run(2, True), run(8, True)]}
+result["before"] = before
+result["leaders"] = leaders()
+with open(sys.argv[1] + f"/rank{rank}.json", "w") as f:
+    json.dump(result, f)
+fsdp_setup.exit_without_shutdown(0)
+"""
+
+
+def test_generation_gathers_each_block_once_then_reshards_and_nodes_download_once_each(tmp_path):
+    script = tmp_path / "gathers.py"
+    script.write_text(GATHERS)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(script),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**SUBPROCESS_ENV, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    # A download on one node: its first rank alone; on two nodes: each node's first rank.
+    assert [r.pop("leaders") for r in results] == [[0, 0], [1]]
+    assert results[0] == results[1]
+    kept, per_token = results[0]["kept"], results[0]["per_token"]
+    # Every group (4 blocks and the root) once per generation, however long; before, again for
+    # each new token.
+    assert kept[0]["gathers"] == kept[1]["gathers"] == 5
+    assert [r["gathers"] >= 4 * tokens for r, tokens in zip(per_token, (2, 8))] == [True, True]
+    for new, old, tokens in zip(kept, per_token, (2, 8)):
+        assert new["out"] == old["out"] and all(len(c) == tokens for c in new["out"])
+        # The old path left the root gathered after forward (the trainer's inference() reshards it).
+        assert new["sharded"] and old["sharded"] is False
+    # Training's settings back: the root (settled at its first forward, here generation's) stays
+    # gathered for backward, the blocks reshard after forward.
+    assert kept[1]["settings"] == per_token[1]["settings"] == [False] + [True] * 4
+    assert results[0]["before"] == [True] * 5
 
 
 def test_generation_keeps_ranks_in_lockstep_when_one_finishes_early(tmp_path):
@@ -3678,6 +4137,55 @@ def test_lora_resume_is_bit_exact_and_the_merged_export_is_w_plus_scaled_ba(lora
             input_ids=x
         ).logits
     torch.testing.assert_close(as_merged, as_adapter, rtol=0, atol=1e-5)
+
+
+def _drawn_adapters(seed, targets=()):
+    """The adapters lora.add_adapters draws for the tiny model built on the meta device, as the
+    trainer builds it: by name, on the CPU."""
+    config, _ = tiny_config()
+    model = build_model(config)
+    model = add_adapters(
+        model, LoraConfig(lora_rank=4, lora_targets=targets), find_block_class(model), seed
+    )
+    return {n: p.detach().clone() for n, p in model.named_parameters() if ".lora_" in n}
+
+
+def test_add_adapters_reseeds_no_global_generator_and_draws_from_its_seed(monkeypatch):
+    reseeds = []
+    manual_seed = torch.manual_seed
+
+    def recorded_manual_seed(seed):
+        reseeds.append(("torch.manual_seed", seed))
+        return manual_seed(seed)
+
+    def recorded_cuda_seed(seed):
+        reseeds.append(("torch.cuda", seed))
+
+    # torch.manual_seed reseeds every CUDA device's generator through torch.cuda.manual_seed_all:
+    # recorded here whether or not this machine has a GPU.
+    monkeypatch.setattr(torch, "manual_seed", recorded_manual_seed)
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", recorded_cuda_seed)
+    monkeypatch.setattr(torch.cuda, "manual_seed", recorded_cuda_seed)
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    first = _drawn_adapters(1)
+    assert reseeds == []
+    assert torch.equal(torch.get_rng_state(), cpu)
+    assert all(torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), cuda))
+    same, other = _drawn_adapters(1), _drawn_adapters(2)
+    assert len(first) == 4 * 7 * 2 and first.keys() == same.keys() == other.keys()
+    assert all(torch.equal(first[k], same[k]) for k in first)
+    for name, a in first.items():
+        if ".lora_B." in name:  # B starts at zero, whatever the seed
+            assert not a.any() and not other[name].any()
+        else:
+            assert a.std() > 0 and not torch.equal(a, other[name]), name
+    # An embedding's adapters (A zero, B drawn) come from the seed too.
+    embedding = [_drawn_adapters(seed, ("embed_tokens",)) for seed in (1, 1, 2)]
+    name = "base_model.model.model.embed_tokens.lora_embedding_B.default"
+    assert torch.equal(embedding[0][name], embedding[1][name])
+    assert not torch.equal(embedding[0][name], embedding[2][name])
+    assert reseeds == [] and torch.equal(torch.get_rng_state(), cpu)
 
 
 def test_lora_flags_fail_with_one_line(tmp_path, capsys, monkeypatch):

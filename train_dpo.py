@@ -109,6 +109,13 @@ class Config:
                 "--sync-ref-model: with --lora-rank the reference is the base model, which never "
                 "changes"
             )
+        # The offloaded state is in host memory already: a background save would stage a second
+        # host copy of all of it (pinned, on GPUs).
+        if self.checkpoints.async_save and self.fsdp.cpu_offload:
+            raise ValueError(
+                "--async-save with --cpu-offload would copy the whole host-resident state again: "
+                "save in the foreground (drop --async-save)"
+            )
         # Without --dropout the policy trains in eval mode, where no dropout runs.
         if self.lora.lora_dropout and not self.dropout:
             raise ValueError(
@@ -421,7 +428,9 @@ def setup(cfg: Config, device: torch.device) -> tuple[Run, torch.optim.Optimizer
     steps = batches.StepBatches(train_pairs.lengths, cfg.batching, cfg.seed)
     saved = None
     if cfg.checkpoints.resume:
-        saved = checkpoint.resume_state(
+        # Rank 0 resolves "latest" for all: another node may still see its old target.
+        saved = fsdp_setup.on_rank0(
+            checkpoint.resume_state,
             os.path.join(cfg.out_dir, "checkpoints"),
             cfg.checkpoints.resume,
             _identity(cfg, summary),
@@ -431,8 +440,9 @@ def setup(cfg: Config, device: torch.device) -> tuple[Run, torch.optim.Optimizer
     def make():  # the model as trained, its parameters on the meta device; build_sharded fills them
         return prepare_model(cfg, models.build_model(model_config))
 
-    # A hub id is downloaded by rank 0 alone; the others wait, then find it in the cache.
-    fsdp_setup.on_rank0(models.find_weights, cfg.model, share=False)
+    # A hub id is downloaded by each node's first rank alone (nodes need not share a cache); the
+    # others wait, then find it in the cache.
+    fsdp_setup.on_rank0(models.find_weights, cfg.model, share=False, per_node=True)
     # Every rank maps the files and reads only its own rows.
     weights = models.open_weights(cfg.model, model_config, cfg.seed)
     if cfg.lora.lora_rank:
@@ -530,10 +540,8 @@ def load_or_precompute_ref(run: Run, model_config) -> dict[str, torch.Tensor]:
     reference = lora.WithoutAdapters(run.policy) if run.cfg.lora.lora_rank else run.policy
 
     def chosen_rejected(idx, pairs):
-        logps = loss.response_logps(
-            reference, pairs, run.cfg.objective.ld_alpha
-        )  # (2B,) [chosen; rejected]
-        return logps.view(2, -1).T  # (B, 2)
+        # (2B,) [chosen; rejected] -> (B, 2)
+        return loss.response_logps(reference, pairs, run.cfg.objective.ld_alpha).view(2, -1).T
 
     with fsdp_setup.inference(run.policy):
         tables = {
@@ -544,8 +552,11 @@ def load_or_precompute_ref(run: Run, model_config) -> dict[str, torch.Tensor]:
         }
 
     def write(tmp: str) -> None:
-        on_host = {split: table.cpu() for split, table in tables.items()}
-        safetensors.torch.save_file(on_host, tmp, metadata={"key": json.dumps(key, default=str)})
+        safetensors.torch.save_file(
+            {split: table.cpu() for split, table in tables.items()},
+            tmp,
+            metadata={"key": json.dumps(key, default=str)},
+        )
 
     fsdp_setup.on_rank0(data.write_atomic, path, write, share=False)
     metrics.say(
@@ -623,7 +634,9 @@ def main(argv: list[str] | None = None) -> None:
         # Repeated --data, --eval-data, --loss flags append.
         with tyro._errors.on_parse_error(_raise_config_error):
             cfg = tyro.cli(Config, args=argv, config=(tyro.conf.UseAppendAction,))
-        _, _, device = fsdp_setup.init_distributed(cfg.fsdp.device, cfg.fsdp.replicas)
+        _, _, device = fsdp_setup.init_distributed(
+            cfg.fsdp.device, cfg.fsdp.replicas, deterministic=cfg.fsdp.deterministic
+        )
     except ValueError as e:
         metrics.say(f"error: {e}")
         sys.exit(2)
