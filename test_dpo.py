@@ -3676,7 +3676,6 @@ def test_generate_with_cache_and_left_padding_matches_naive_greedy():
 LOCKSTEP = """
 import os, sys, types
 import torch, torch.distributed as dist
-sys.path.insert(0, sys.argv[1])
 from samples import generate
 dist.init_process_group("gloo")
 rank, forwards = dist.get_rank(), [0]
@@ -3694,7 +3693,7 @@ class Model(torch.nn.Module):
         return types.SimpleNamespace(logits=logits, past_key_values=None)
 
 out = generate(Model(), [[2, 2]], max_new_tokens=6, eos_id=1, pad_id=0)
-with open(os.path.join(sys.argv[2], f"rank{rank}.txt"), "w") as f:
+with open(os.path.join(sys.argv[1], f"rank{rank}.txt"), "w") as f:
     f.write(f"{forwards[0]} {out}")
 dist.destroy_process_group()
 # as fsdp_setup.exit_without_shutdown: no interpreter shutdown while gloo's threads let go
@@ -3819,9 +3818,11 @@ fsdp_setup.exit_without_shutdown(0)
 """
 
 
-def test_generation_gathers_each_block_once_then_reshards_and_nodes_download_once_each(tmp_path):
-    script = tmp_path / "gathers.py"
-    script.write_text(GATHERS)
+def two_rank_script(tmp_path, text):
+    """The script `text` run on two CPU ranks (torchrun, a core each) with the repo importable and
+    tmp_path as its argument, which must succeed."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
     proc = subprocess.run(
         [
             sys.executable,
@@ -3838,6 +3839,10 @@ def test_generation_gathers_each_block_once_then_reshards_and_nodes_download_onc
         env={**SUBPROCESS_ENV, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_generation_gathers_each_block_once_then_reshards_and_nodes_download_once_each(tmp_path):
+    two_rank_script(tmp_path, GATHERS)
     results = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
     # A download on one node: its first rank alone; on two nodes: each node's first rank.
     assert [r.pop("leaders") for r in results] == [[0, 0], [1]]
@@ -3858,25 +3863,7 @@ def test_generation_gathers_each_block_once_then_reshards_and_nodes_download_onc
 
 
 def test_generation_keeps_ranks_in_lockstep_when_one_finishes_early(tmp_path):
-    script = tmp_path / "lockstep.py"
-    script.write_text(LOCKSTEP)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(script),
-            HERE,
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    two_rank_script(tmp_path, LOCKSTEP)
     # Both ranks ran 6 forwards (rank 0 kept stepping for rank 1, its EOS masked to padding), and
     # nothing hung.
     assert (tmp_path / "rank0.txt").read_text() == "6 [[]]"
