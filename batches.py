@@ -150,9 +150,7 @@ class StepBatches:
         self.config = config
         self.seed = seed
         self.n_pairs = len(pair_lens)
-        self.lengths = None
-        if config.group_by_length:
-            self.lengths = pair_lengths(pair_lens)
+        self.lengths = pair_lengths(pair_lens) if config.group_by_length else None
         self.steps_per_epoch = self.n_pairs // config.batch_size
         if not self.steps_per_epoch:
             raise ValueError(
@@ -225,10 +223,10 @@ def pair_table(
     calls it and gets the whole table."""
     # Each row from one rank, 0 on the others: the sum over ranks is exact, one non-zero term each.
     table = torch.zeros(len(pairs), width, device=device)
-    rank = dist.get_rank()
-    world_size = dist.get_world_size()
     lengths = pair_lengths(pairs.lengths)
-    for idx in build_eval_batches(len(pairs), micro_batch_size, rank, world_size, lengths):
+    for idx in build_eval_batches(
+        len(pairs), micro_batch_size, dist.get_rank(), dist.get_world_size(), lengths
+    ):
         # A rank out of pairs runs a dummy (pair 0), for the collectives, and keeps nothing of it.
         batch = collate_pairs([pairs[i] for i in idx or [0]], pad_id).to(device)
         table[idx] = fn(idx, batch)[: len(idx)]
@@ -262,9 +260,7 @@ def build_eval_batches(
     precompute): disjoint strided slices, sorted by `lengths` when given. Every rank gets the same
     number of batches; one that runs out gets empty ones, for which the caller runs a zero-weight
     dummy so collectives stay in step."""
-    order = range(n_pairs)
-    if lengths is not None:
-        order = sorted(order, key=lengths.__getitem__)
+    order = range(n_pairs) if lengths is None else sorted(range(n_pairs), key=lengths.__getitem__)
     mine = list(order[rank::world_size])
     per_rank = math.ceil(n_pairs / world_size)
     return [mine[b : b + micro_batch_size] for b in range(0, per_rank, micro_batch_size)]

@@ -113,12 +113,13 @@ class Checkpointer:
         dist.barrier()
         # A shared file system may show another node rank 0's new folder late.
         os.makedirs(tmp, exist_ok=True)
-        # The current GPU's generator (the parameters may be offloaded); a CPU run, which never
-        # starts CUDA, does not start it here.
-        cuda_rng = None
-        if torch.cuda.is_initialized():
-            cuda_rng = torch.cuda.get_rng_state()
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "cuda": cuda_rng}
+        rng = {
+            "torch": torch.get_rng_state(),
+            "python": random.getstate(),
+            # The current GPU's generator (the parameters may be offloaded); a CPU run, which
+            # never starts CUDA, does not start it here.
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
+        }
         torch.save(rng, os.path.join(tmp, f"rng-rank{rank}.pt"))
         trained = _trained_state(model, optimizer, reference)
         if not self.background:
@@ -135,13 +136,14 @@ class Checkpointer:
         if self._stager is None and torch.cuda.is_initialized():
             # Pinned host buffers, made once and reused by every save: fast copies from the GPU,
             # and no new page-locked memory at each save.
-            options = staging.StagingOptions(
-                use_pinned_memory=True,
-                use_shared_memory=False,
-                use_async_staging=False,
-                use_non_blocking_copy=False,
+            self._stager = staging.DefaultStager(
+                staging.StagingOptions(
+                    use_pinned_memory=True,
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=False,
+                )
             )
-            self._stager = staging.DefaultStager(options)
         # The write ends in a gather: rank 0's future is done once every rank's shards and RNG
         # file are on disk.
         future = dcp.async_save(
@@ -174,14 +176,12 @@ class Checkpointer:
         # A rename: a reader never sees half a pointer.
         os.replace(latest + ".tmp", latest)
         if self.keep_last:
-            done = [n for n in os.listdir(self.root) if re.fullmatch(r"step-\d+", n)]
-            done.sort(key=_step_number)
+            done = sorted(
+                (n for n in os.listdir(self.root) if re.fullmatch(r"step-\d+", n)),
+                key=lambda n: int(n.split("-")[1]),
+            )
             for old in done[: -self.keep_last]:
                 shutil.rmtree(os.path.join(self.root, old))
-
-
-def _step_number(folder: str) -> int:
-    return int(folder.split("-")[1])
 
 
 def find_checkpoint(root: str, spec: str) -> str:

@@ -19,6 +19,7 @@ import os
 import random
 import re
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -38,14 +39,23 @@ _JSON_KINDS = {
     bool: "a boolean",
     type(None): "null",
 }
+# The chat templates --chat-template names, for tokenizers without one (base models).
+_CHAT_TEMPLATES = {
+    "chatml": (
+        "{% for message in messages %}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    ),
+}
 
 
 @dataclass
 class DataConfig:
     data: tuple[str, ...] = ()
-    """Training pairs: .jsonl/.json files or hub:NAME[:split] (needs the datasets package); none:
-    the built-in demo (demo:sft: its reviews with coin-flip labels, for an SFT stage). Repeat the
-    flag or separate with commas."""
+    """Training pairs: .jsonl/.json files, hub:NAME[:SPLIT] or hub:NAME:CONFIG:SPLIT (needs the
+    datasets package); none: the built-in demo (demo:sft: its reviews with coin-flip labels, for an
+    SFT stage). Repeat the flag or separate with commas."""
     eval_data: tuple[str, ...] = ()
     """Held-out pairs, same forms. Default: the demo's held-out split with the demo, else
     --eval-fraction."""
@@ -63,6 +73,10 @@ class DataConfig:
     cache_dir: str = "runs/cache"
     """Tokenized data and --ref precompute log-probs, reused by runs with the same inputs; all ranks
     must share it."""
+    chat_template: str | None = None
+    """A Jinja chat template file, or the name of one the project ships: chatml. For tokenizers
+    without one (base models); it replaces the tokenizer's own, and the export's tokenizer keeps
+    it."""
 
     def __post_init__(self):
         self.data = tuple(s for spec in self.data for s in spec.split(",") if s)
@@ -89,8 +103,8 @@ class DataError(ValueError):
 
 
 def read_rows(spec: str) -> list[dict]:
-    """Checked rows of a file or hub:NAME[:split]: {"prompt" (None if implicit), "chosen",
-    "rejected", "where"}."""
+    """Checked rows of a file or hub dataset: {"prompt" (None if implicit), "chosen", "rejected",
+    "where"}."""
     raw = _read_source(spec)
     if not raw:
         raise DataError(f"{spec}:1: no preference pairs")
@@ -126,9 +140,28 @@ def read_rows(spec: str) -> list[dict]:
                     f"{where}: field '{field}' must be a string or a list of messages, got "
                     f"{type(value).__name__}"
                 )
-        if len(set(kinds.values())) > 1:
+        if list(kinds.values()) == ["standard", "conversational", "conversational"]:
+            # ultrafeedback_binarized's shape: the responses begin with the string prompt as a user
+            # turn. As in the implicit shape, their shared first messages are the prompt.
+            shared = _implicit_prompt(row["chosen"], row["rejected"], None, where)
+            if not any(m["role"] == "user" and m["content"] == row["prompt"] for m in shared):
+                raise DataError(
+                    f"{where}: field 'prompt' is a string that no user turn among the first "
+                    "messages 'chosen' and 'rejected' share repeats; begin both with it as a user "
+                    "turn, or give the prompt as a message list and the responses without it"
+                )
+            row = {
+                "prompt": shared,
+                "chosen": row["chosen"][len(shared) :],
+                "rejected": row["rejected"][len(shared) :],
+            }
+        elif len(set(kinds.values())) > 1:
             shapes = ", ".join(f"{k}: {v}" for k, v in kinds.items())
-            raise DataError(f"{where}: fields mix strings and message lists ({shapes})")
+            raise DataError(
+                f"{where}: fields mix strings and message lists ({shapes}); give all three as "
+                "strings or as message lists (a string prompt goes with message-list responses "
+                "that begin with it as a user turn)"
+            )
         kind = kinds["chosen"] if "prompt" in kinds else f"implicit-prompt {kinds['chosen']}"
         first = first or (where, kind)
         if kind != first[1]:
@@ -154,8 +187,7 @@ def _read_source(spec: str) -> list[tuple[str, object]]:
         raise DataError(
             f"{spec}: no such file (give a .jsonl/.json path, hub:NAME[:split] or demo)"
         )
-    with open(spec, "rb") as f:
-        data = f.read()
+    data = Path(spec).read_bytes()
     try:
         # A leading byte-order mark is dropped.
         text = data.decode("utf-8-sig")
@@ -221,16 +253,14 @@ def _line(text: str, i: int) -> int:
 
 def write_jsonl(path: str, rows: list[dict]) -> str:
     """Write rows as JSON Lines, atomically (see write_atomic); returns the path."""
-
-    def write(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-
-    return write_atomic(path, write)
+    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    return write_atomic(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def _load_hub(spec: str):
+    # hub:NAME, hub:NAME:SPLIT or hub:NAME:CONFIG:SPLIT.
     name, _, split = spec[len("hub:") :].partition(":")
+    config, _, split = split.rpartition(":")
     try:
         import datasets
     except ImportError:
@@ -238,8 +268,9 @@ def _load_hub(spec: str):
             f"{spec}: hub datasets need the datasets package (pip install datasets)"
         ) from None
     try:
-        if not os.path.isdir(name):
-            return datasets.load_dataset(name, split=split or "train")
+        # A folder with a config is a dataset's files (load_dataset); without, save_to_disk's.
+        if config or not os.path.isdir(name):
+            return datasets.load_dataset(name, config or None, split=split or "train")
         ds = datasets.load_from_disk(name)
         return ds[split or "train"] if isinstance(ds, datasets.DatasetDict) else ds
     # The datasets package raises many types; all of them mean "cannot read this spec".
@@ -260,14 +291,14 @@ def _render(row: dict, tokenizer) -> tuple[str, str, str]:
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(
             f"{where}: message lists need a chat template, and tokenizer "
-            f"{tokenizer.name_or_path or type(tokenizer).__name__} has none"
+            f"{tokenizer.name_or_path or type(tokenizer).__name__} has none (give --chat-template)"
         )
     text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
     responses = []
     for field, response in (("chosen", chosen), ("rejected", rejected)):
-        full = text
-        if response:
-            full = tokenizer.apply_chat_template(prompt + response, tokenize=False)
+        full = (
+            tokenizer.apply_chat_template(prompt + response, tokenize=False) if response else text
+        )
         if not full.startswith(text):
             raise DataError(
                 f"{where}: field '{field}': the chat template renders the prompt differently once "
@@ -285,7 +316,7 @@ def _implicit_prompt(chosen: str | list, rejected: str | list, tokenizer, where:
         if n == 0:
             raise DataError(
                 f"{where}: fields 'chosen' and 'rejected' share no first message to use as the "
-                "prompt"
+                "prompt; begin both with the prompt's messages"
             )
         return chosen[:n]
     shared = os.path.commonprefix([chosen, rejected])
@@ -309,8 +340,9 @@ class PairTokens:
     def __init__(self, ids: torch.Tensor, lengths: torch.Tensor):
         self.ids = ids  # (total,) int32
         self.lengths = lengths  # (N, 3) int64 [prompt, chosen, rejected]
-        ends = lengths.sum(1).cumsum(0)
-        self._starts = torch.cat([torch.zeros(1, dtype=torch.long), ends]).tolist()
+        self._starts = torch.cat(
+            [torch.zeros(1, dtype=torch.long), lengths.sum(1).cumsum(0)]
+        ).tolist()
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -361,9 +393,7 @@ def tokenize_pairs(
         for j, (_, c, r) in enumerate(texts):
             row = rows[s + j]
             # A chat template writes BOS itself; plain text gets the tokenizer's leading specials.
-            prompt = prompts[j]
-            if not isinstance(row["chosen"], list):
-                prompt = prefix + prompts[j]
+            prompt = prompts[j] if isinstance(row["chosen"], list) else prefix + prompts[j]
             if not prompt:
                 raise DataError(
                     f"{row['where']}: field 'prompt' is empty and the tokenizer adds no BOS, so "
@@ -470,11 +500,11 @@ def _percentiles(values: list[int]) -> dict:
 def tokenize_to_cache(config: DataConfig, tokenizer, progress=None) -> str:
     """{cache_dir}/tokens-<hash of sources, settings, tokenizer>.pt, made unless there (by one rank;
     all load it)."""
-    settings = {k: v for k, v in asdict(config).items() if k != "cache_dir"}
     tokenizer_key = key_digest(
         [
             type(tokenizer).__name__,
             sorted(tokenizer.get_vocab().items()),
+            # Its text (--chat-template's too): an edited template file makes a new key.
             tokenizer.chat_template,
             tokenizer.eos_token_id,
             _leading_special_ids(tokenizer),
@@ -482,7 +512,7 @@ def tokenize_to_cache(config: DataConfig, tokenizer, progress=None) -> str:
     )
     key = {
         "version": _CACHE_VERSION,
-        "settings": settings,
+        "settings": {k: v for k, v in asdict(config).items() if k != "cache_dir"},
         "tokenizer": tokenizer_key,
         "train": [_fingerprint(s) for s in config.data],
         "eval": [_fingerprint(s) for s in config.eval_data],
@@ -567,33 +597,47 @@ def _fingerprint(spec: str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def load_tokenizer(name: str):
+def load_tokenizer(name: str, chat_template: str | None = None):
     """A hub id's or folder's tokenizer (ValueError naming --model); "tiny": ByT5's bytes, with a
-    chat template."""
+    chat template. chat_template: --chat-template, a Jinja file or the name of one in
+    _CHAT_TEMPLATES, which replaces the tokenizer's own (and is saved with it)."""
     if name.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(name)):
         raise ValueError(f"--model {name}: no such folder")
-    if name != "tiny":
+    if name == "tiny":
+        tokenizer = transformers.ByT5Tokenizer(
+            chat_template=(
+                "{% for m in messages %}{{ '<|' + m.role + '|>\\n' + m.content }}"
+                "{% if m.role == 'assistant' %}{{ '</s>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+            )
+        )
+    else:
         try:
-            return transformers.AutoTokenizer.from_pretrained(name)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(name)
         except OSError as e:
             raise ValueError(
                 f"--model {name}: cannot load ({str(e).strip().splitlines()[0]})"
             ) from None
-    tokenizer = transformers.ByT5Tokenizer()
-    tokenizer.chat_template = (
-        "{% for m in messages %}{{ '<|' + m.role + '|>\\n' + m.content }}"
-        "{% if m.role == 'assistant' %}{{ '</s>' }}{% endif %}{{ '\\n' }}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
-    )
+    if chat_template in _CHAT_TEMPLATES:
+        tokenizer.chat_template = _CHAT_TEMPLATES[chat_template]
+    elif chat_template and not os.path.isfile(chat_template):
+        raise ValueError(
+            f"--chat-template {chat_template}: no such file, and not a template this project "
+            f"ships ({', '.join(_CHAT_TEMPLATES)})"
+        )
+    elif chat_template:
+        tokenizer.chat_template = Path(chat_template).read_text(encoding="utf-8")
     return tokenizer
 
 
 def inspect(argv: list[str] | None = None) -> None:
     """python data.py PATH --model NAME [--max-length N] [--max-prompt-length N] [--truncation T]
-    [--show K]: K JSON lines decoded from exactly the tokens that will be trained, then one JSON
-    summary line."""
+    [--chat-template T] [--show K]: K JSON lines decoded from exactly the tokens that will be
+    trained, then one JSON summary line."""
     parser = argparse.ArgumentParser(prog="data.py", description=inspect.__doc__.split(":")[0])
-    parser.add_argument("path", help="file(s) (comma-separated) or hub:NAME[:split]")
+    parser.add_argument(
+        "path", help="file(s) (comma-separated), hub:NAME[:SPLIT] or hub:NAME:CONFIG:SPLIT"
+    )
     parser.add_argument(
         "--model", required=True, help='hub id, folder, or "tiny" (train_dpo.py\'s byte tokenizer)'
     )
@@ -601,6 +645,9 @@ def inspect(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-prompt-length", type=int, help="default: half of --max-length")
     parser.add_argument(
         "--truncation", choices=("keep_end", "keep_start"), default=DataConfig.truncation
+    )
+    parser.add_argument(
+        "--chat-template", help="a Jinja file or chatml, in place of the tokenizer's template"
     )
     parser.add_argument("--show", type=int, default=3, help="pairs to print")
     args = parser.parse_args(argv)
@@ -611,8 +658,9 @@ def inspect(argv: list[str] | None = None) -> None:
             max_length=args.max_length,
             max_prompt_length=args.max_prompt_length,
             truncation=args.truncation,
+            chat_template=args.chat_template,
         )
-        tokenizer = load_tokenizer(args.model)
+        tokenizer = load_tokenizer(args.model, args.chat_template)
         rows = [row for spec in config.data for row in read_rows(spec)]
         tokens, summary = tokenize_pairs(rows, tokenizer, config)
     except (ValueError, OSError) as e:

@@ -9,6 +9,8 @@ Copyable on its own: imports only the standard library.
     files = demo_files("runs/cache", write_jsonl)
     # the config naming those files, and True
     dataset, demo = demo_config(data.DataConfig(), write_jsonl)
+    # the default run's SFT stage (its flags; None once cached) and the flags DPO from it adds
+    stages = warm_start(True, "tiny", ("demo",), True, "runs/cache")
 
 Chosen answers praise the product and end "5/5"; rejected answers pan it and end "1/5". The held-out
 split reviews products never seen in training, so a policy must learn the style, not memorise items.
@@ -112,6 +114,41 @@ def demo_files(folder: str, write_jsonl) -> dict[str, str]:
         if not os.path.exists(path):
             write_jsonl(path, demo_pairs(split))
     return files
+
+
+def warm_start(enabled: bool, model: str, data: tuple, pairwise: bool, cache_dir: str) -> dict:
+    """The built-in default's two stages, when `enabled`: {"model": the SFT stage's export in
+    `cache_dir`, "sft": its train_dpo.py flags (None once it is there), "then": the flags that
+    preference training from it adds}; {} for any other run (a --model, a --data, an SFT run). A
+    model trained from random bytes by DPO alone writes gibberish; the SFT stage (SFT on "sft", the
+    coin-flip split) writes both styles of review, as a base model would, and DPO from it visibly
+    moves its samples toward the chosen style."""
+    if not enabled or model != "tiny" or data not in ((), ("demo",)) or not pairwise:
+        return {}
+    folder = os.path.join(cache_dir, "demo-sft")
+    stages = {"model": os.path.join(folder, "final"), "sft": None}
+    if not os.path.isdir(stages["model"]):
+        stages["sft"] = [
+            *("--loss", "sft", "--data", "demo:sft", "--epochs", "6", "--out-dir", folder),
+            *("--cache-dir", cache_dir, "--num-samples", "0", "--no-eval-before"),
+        ]
+    stages["then"] = [
+        *("--model", stages["model"], "--lr", "3e-5", "--beta", "0.5", "--eval-every", "16"),
+        *("--num-samples", "32", "--sample-temperature", "1"),
+    ]
+    return stages
+
+
+def what_moved(evaluations: list[tuple[int, float, dict]]) -> str:
+    """The demo's last line, from its evaluations' (step, preferred share, first sample): the
+    scorer's share and the first held-out prompt's completion, at the first and the last."""
+    first = evaluations[0]
+    last = evaluations[-1]
+    return (
+        f"demo: the scorer prefers {first[1]:.0%} of samples at step {first[0]} and "
+        f"{last[1]:.0%} at step {last[0]}; {first[2]['prompt']!r} -> {first[2]['completion']!r}, "
+        f"then -> {last[2]['completion']!r}"
+    )
 
 
 def demo_config(dataset, write_jsonl) -> tuple:

@@ -148,9 +148,7 @@ def on_rank0(fn, *args, share: bool = True, per_node: bool = False):
     0, torchrun's consecutive ranks), for its node's ranks: work on a node's own disk."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return fn(*args)
-    leader = 0
-    if per_node:
-        leader = dist.get_rank() - int(os.environ.get("LOCAL_RANK", 0))
+    leader = dist.get_rank() - int(os.environ.get("LOCAL_RANK", 0)) if per_node else 0
     key = f"dpo/on_rank0/{next(_rank0_calls)}/{leader}"
     store = dist.distributed_c10d._get_default_store()
     if dist.get_rank() == leader:
@@ -277,18 +275,15 @@ def apply_fsdp(
     """Shard `model` in place with FSDP2 on `device`: each transformer block, then the root with the
     rest (ties kept). frozen: a reference (no gradients, eval mode), always resharded. replicas=R >
     1: HSDP, an (R, world/R) mesh."""
-    world = dist.get_world_size()
     # An explicit mesh: FSDP2's default takes CUDA whenever a GPU is visible, even for a CPU model.
     if replicas == 1:
-        mesh = init_device_mesh(device.type, (world,))
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     else:
         mesh = _hsdp_mesh(device.type, replicas)
     if frozen:
         model.requires_grad_(False).eval()
-    policy = OffloadPolicy()
-    if offload:
-        # Shards, gradients and optimizer state on the host, pinned for fast copies to a GPU.
-        policy = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    # Offloaded: shards, gradients and optimizer state on the host, pinned for fast copies to a GPU.
+    policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
     shard = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": policy}
     for block in _blocks(model):
         fully_shard(block, reshard_after_forward=reshard_after_forward or frozen, **shard)
@@ -382,13 +377,14 @@ def full_tensors(
     """Each state-dict tensor of `model` once (a tied weight under its first name) as (name, tensor,
     fetch): fetch() gathers the full tensor on `device`, one at a time, on every rank (a collective:
     all ranks fetch, in order)."""
-    entries = []
-    seen = set()
+    # By identity: a tied weight's later names find its first.
+    first = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            entries.append((name, tensor, functools.partial(_full_tensor, tensor, device)))
-    return entries
+        first.setdefault(id(tensor), (name, tensor))
+    return [
+        (name, tensor, functools.partial(_full_tensor, tensor, device))
+        for name, tensor in first.values()
+    ]
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:

@@ -102,7 +102,15 @@ def add_adapters(
     if isinstance(model.get_output_embeddings(), peft.tuners.lora.LoraLayer):
         raise ValueError("--lora-targets: the output layer takes no adapters here")
     if config.export_merged:
-        check_mergeable(model)
+        # merged_entries folds adapters into linear layers only: refused now, not at the export.
+        for name, module in model.named_modules():
+            if isinstance(module, peft.tuners.lora.LoraLayer) and not isinstance(
+                module, peft.tuners.lora.Linear
+            ):
+                raise ValueError(
+                    "--export-merged merges adapters on linear layers only; "
+                    f"{name.removeprefix('base_model.model.')} is a {type(module).__name__}"
+                )
     return model
 
 
@@ -169,21 +177,6 @@ class WithoutAdapters:
 
     def __getattr__(self, name):
         return getattr(self.model, name)
-
-
-def check_mergeable(model: nn.Module) -> None:
-    """Raise ValueError unless merged_entries can fold every adapter into a weight: LoRA on
-    nn.Linear layers only."""
-    import peft
-
-    for name, module in model.named_modules():
-        if isinstance(module, peft.tuners.lora.LoraLayer) and not isinstance(
-            module, peft.tuners.lora.Linear
-        ):
-            raise ValueError(
-                "--export-merged merges adapters on linear layers only; "
-                f"{name.removeprefix('base_model.model.')} is a {type(module).__name__}"
-            )
 
 
 def merged_entries(model: nn.Module, entries: list) -> list:

@@ -51,6 +51,7 @@ from torch import nn
 
 LossType = Literal[
     "dpo",
+    "sigmoid",
     "ipo",
     "hinge",
     "robust",
@@ -68,6 +69,8 @@ LossType = Literal[
     "sft",
 ]
 IGNORE_INDEX = -100
+# TRL's names for ours: resolved in LossConfig, so that checkpoints hold the canonical name.
+_ALIASES = {"sigmoid": "dpo"}
 
 # The fused output layer runs on GPUs, where memory is what runs out (long pairs); on a CPU its
 # recomputation in backward costs more time than the memory it saves is worth (BENCHMARKS.md).
@@ -85,9 +88,10 @@ _LOGIT_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 @dataclass
 class LossConfig:
     loss: tuple[LossType, ...] = ()
-    """dpo (when none is given; cDPO with --label-smoothing), a DPO-family loss (see loss.py), or
-    sft (chosen token-mean NLL). Repeat for a weighted sum (TRL's loss_type list; MPO: --loss dpo
-    --loss bco_pair --loss sft). simpo and sft are reference-free."""
+    """dpo (when none is given; cDPO with --label-smoothing; sigmoid, TRL's name, is dpo), a
+    DPO-family loss (see loss.py), or sft (chosen token-mean NLL). Repeat for a weighted sum (TRL's
+    loss_type list; MPO: --loss dpo --loss bco_pair --loss sft). simpo and sft are
+    reference-free."""
     loss_weights: tuple[float, ...] = ()
     """One weight per --loss, in order (1 each when none is given): the loss is the weighted sum of
     each loss's batch mean. RPO is --loss dpo --loss sft --loss-weights 1 --loss-weights alpha."""
@@ -134,11 +138,10 @@ class LossConfig:
     """TR-DPO's period, in optimizer steps."""
 
     def __post_init__(self):
-        # Resolved in place, so that every reader sees the list itself. A string, from Python, is
-        # one loss; none given is dpo, and no weights given is 1 each.
-        if isinstance(self.loss, str):
-            self.loss = (self.loss,)
-        self.loss = tuple(self.loss) or ("dpo",)
+        # Resolved in place, so that every reader sees the list itself, by our names. A string,
+        # from Python, is one loss; none given is dpo, and no weights given is 1 each.
+        names = (self.loss,) if isinstance(self.loss, str) else self.loss
+        self.loss = tuple(_ALIASES.get(name, name) for name in names) or ("dpo",)
         self.loss_weights = tuple(self.loss_weights) or (1.0,) * len(self.loss)
         for name in self.loss:
             if name not in get_args(LossType):
@@ -196,6 +199,16 @@ class LossConfig:
     def averages(self, loss_type: str) -> bool:
         """True when `loss_type` takes per-token mean log-probs instead of sums."""
         return loss_type in _AVERAGED or (loss_type == "ipo" and self.ipo_logps == "mean")
+
+
+def flag_defaults() -> LossConfig:
+    """LossConfig's defaults as a command line (tyro) sees them: tyro appends each repeated --loss
+    and --loss-weights to its default, so these two start empty here; LossConfig reads empty as
+    dpo, with weight 1."""
+    defaults = LossConfig()
+    defaults.loss = ()
+    defaults.loss_weights = ()
+    return defaults
 
 
 # ---------------------------------------------------------------------------------------- log-probs
@@ -256,7 +269,9 @@ class _TokenLogps(torch.autograd.Function):
         lse = torch.empty(n, dtype=torch.float32, device=x.device)
         for i in range(0, n, chunk):
             end = min(i + chunk, n)
-            logits = _chunk_logits(x, index, weight, i, end).float()  # (end - i, V)
+            # The chunk's (end - i, V) logits: x's rows, or those rows through the output layer.
+            rows = x[i:end] if index is None else x[index[i:end]]
+            logits = rows.float() if weight is None else _product(rows, weight.T).float()
             lse[i:end] = logits.logsumexp(-1)
             out[i:end] = logits.gather(-1, targets[i:end, None]).squeeze(-1) - lse[i:end]
             if squares:
@@ -308,12 +323,6 @@ def _head_backward(x, targets, weight, lse, grad, weight_grad: bool):
             # (V, H) tensor when one block holds the whole vocabulary.
             torch.mm(d.T, x, out=grad_weight[v : v + block])
     return grad_x.to(x.dtype), None, None, grad_weight, None
-
-
-def _chunk_logits(x, index, weight, start: int, end: int) -> torch.Tensor:
-    """Logits of scored rows start:end, (end - start, V), as _product makes them."""
-    rows = x[start:end] if index is None else x[index[start:end]]
-    return rows if weight is None else _product(rows, weight.T)
 
 
 def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -488,12 +497,8 @@ def pair_loss(
     losses = 0.0
     out = {}
     for loss_type, weight in zip(objective.loss, objective.loss_weights):
-        per_token = 1
-        if objective.averages(loss_type):
-            per_token = response_lengths.clamp(min=1)
-        refs = (None, None)
-        if ref_scores is not None:
-            refs = (ref_scores / per_token).chunk(2)
+        per_token = response_lengths.clamp(min=1) if objective.averages(loss_type) else 1
+        refs = (None, None) if ref_scores is None else (ref_scores / per_token).chunk(2)
         part, chosen_rewards, rejected_rewards = preference_loss(
             *(scores / per_token).chunk(2),
             *refs,
@@ -538,6 +543,7 @@ def preference_loss(
     sigmoid:
 
         dpo        -(1 - eps) log s(z) - eps log s(-z)                DPO Eq. 7; cDPO when eps > 0
+                   (sigmoid, TRL's name for it, is the same)
         ipo        (h - 1 / (2 beta))^2                               IPO Eq. 17 (mean log-probs
                                                                       by default)
         hinge      max(0, 1 - z)                                      SLiC Eq. 2
@@ -587,7 +593,7 @@ def preference_loss(
     h = c - r
     z = beta * h
     eps = label_smoothing
-    if loss_type in ("dpo", "dpo_norm"):
+    if loss_type in ("dpo", "sigmoid", "dpo_norm"):
         losses = _dpo(z, eps)
     elif loss_type == "ipo":
         losses = (h - 1 / (2 * beta)) ** 2

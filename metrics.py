@@ -9,14 +9,17 @@ Copyable on its own: imports only the standard library and torch.
     sums.all_reduce()  # once per step
     stats = StepStats(**sums.totals(n_pairs), grad_norm=1.2, skipped=False, ...)
     log = RunLog("runs/x", resume_step=0, samples=True)
-    log.wandb = open_wandb(project, config, out_dir)  # to W&B too
-    log.write(stats.row(step, lr, seconds, n_pairs, group_peak_flops(device, "bf16")))
+    log.wandb = open_wandb(WandbConfig("p"), config, out_dir, resume=False)  # to W&B too
+    log.write(stats.row(step, lr, seconds, n_pairs, group_peak_flops(device, "bf16"), elapsed))
     log.close()  # and metrics.png
 """
 
+import importlib.util
 import json
 import os
+import pathlib
 import resource
+import secrets
 import sys
 from dataclasses import dataclass
 
@@ -111,9 +114,18 @@ class StepStats:
     loss_scale: float | None = None
     """fp16's loss scale after the step; None in other precisions."""
 
-    def row(self, step: int, lr: float, seconds: float, pairs: int, peak_flops: float | None):
+    def row(
+        self,
+        step: int,
+        lr: float,
+        seconds: float,
+        pairs: int,
+        peak_flops: float | None,
+        elapsed: float,
+    ) -> dict:
         """The step's metrics.jsonl row: the means, throughput over `seconds`, padding efficiency,
-        memory, and MFU given every rank's peak FLOP/s (group_peak_flops)."""
+        memory, MFU given every rank's peak FLOP/s (group_peak_flops), and the run's `elapsed`
+        seconds."""
         row = {
             "step": step,
             "split": "train",
@@ -126,6 +138,7 @@ class StepStats:
             "padding_efficiency": self.tokens / self.token_slots,
             "flops": self.flops,
             "peak_mem_gb": self.peak_memory_gb,
+            "elapsed_s": elapsed,
         }
         if peak_flops:
             row["mfu"] = self.flops / seconds / peak_flops
@@ -145,8 +158,9 @@ def flop_coefficients(model) -> tuple[float, float, float]:
     linear = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in apart)
     c = model.config
     # A mixture of experts stacks them, (experts, out, in): each token runs its top k of them.
-    stacked = [p for p in model.parameters() if p.dim() == 3]
-    linear += sum(p.numel() // p.shape[0] * c.num_experts_per_tok for p in stacked)
+    linear += sum(
+        p.numel() // p.shape[0] * c.num_experts_per_tok for p in model.parameters() if p.dim() == 3
+    )
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     width = c.num_attention_heads * head_dim
     return 2.0 * linear, 4.0 * c.num_hidden_layers * width, 2.0 * head.numel()
@@ -259,6 +273,10 @@ def eval_line(step: int, n_pairs: int, m: dict, samples: list[dict]) -> str:
 
 
 def show_progress(step: int, total: int, m: dict) -> None:
+    """The step's progress line (rank 0), every step on a terminal, else 20 in a run; and a
+    skipped step, always."""
+    if m["skipped"]:
+        say(f"step {step}: non-finite loss or gradient norm, step skipped on every rank")
     if not _rank0():
         return
     done = int(30 * step / total)
@@ -367,15 +385,40 @@ class RunLog:
             self.wandb.finish()
 
 
+@dataclass
+class WandbConfig:
+    wandb_project: str | None = None
+    """Also log metrics and samples to this Weights & Biases project (needs the wandb package); a
+    run resumed in the same --out-dir logs on into the same W&B run."""
+    wandb_run_name: str | None = None
+    """The W&B run's name (TRL's run_name); default: W&B's own."""
+
+    def __post_init__(self):
+        # The one check for wandb, which is imported lazily: before any work.
+        if self.wandb_project and importlib.util.find_spec("wandb") is None:
+            raise ValueError("--wandb-project needs the wandb package: pip install wandb")
+
+
 class open_wandb:
     """A W&B run taking rows as {split}/{metric} at the row's step, samples as a table; wandb is
-    imported lazily."""
+    imported lazily. Its id is kept in {out_dir}/wandb_run_id, so that a resumed run (resume=True)
+    continues it."""
 
-    def __init__(self, project: str, config: dict, out_dir: str):
+    def __init__(self, config: WandbConfig, run_config: dict, out_dir: str, resume: bool):
         import wandb
 
         self._wandb = wandb
-        self.run = wandb.init(project=project, config=config, dir=out_dir)
+        id_file = pathlib.Path(out_dir, "wandb_run_id")
+        if not (resume and id_file.exists()):
+            id_file.write_text(secrets.token_hex(8))
+        self.run = wandb.init(
+            project=config.wandb_project,
+            name=config.wandb_run_name,
+            config=run_config,
+            dir=out_dir,
+            id=id_file.read_text(),
+            resume="allow",
+        )
 
     def log(self, row: dict, samples: list[dict] | None = None) -> None:
         data = {

@@ -138,12 +138,12 @@ def open_weights(name: str, config, seed: int) -> dict[str, torch.Tensor]:
         with open(path, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(size))
+        # The file's own notes, not a tensor.
+        header.pop("__metadata__", None)
         # The whole file as bytes, memory-mapped; the tensors' data starts after the header.
         file = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
         data = file[8 + size :]
         for key, meta in header.items():
-            if key == "__metadata__":
-                continue
             begin, end = meta["data_offsets"]
             dtype = _DTYPES[meta["dtype"]]
             # A typed view needs aligned bytes, which writers other than this one need not give:
@@ -276,8 +276,9 @@ def save_pretrained(folder: str, model: torch.nn.Module, entries: list, dtype: t
         with open(path + ".tmp", "wb") as f:
             f.write(len(text).to_bytes(8, "little") + text)
             for group, saved in in_file:
-                fetched = {key: fetch() for key, _, fetch in group}
-                tensors = core_model_loading.revert_weight_conversion(plain, fetched)
+                tensors = core_model_loading.revert_weight_conversion(
+                    plain, {key: fetch() for key, _, fetch in group}
+                )
                 for name, tensor in saved.items():
                     written = tensors.pop(name).to("cpu", tensor.dtype).contiguous()
                     f.write(written.view(-1).view(torch.uint8).numpy())
@@ -294,8 +295,11 @@ def _saved_groups(plain: torch.nn.Module, entries: list, dtype: torch.dtype) -> 
     expert and projection), which older transformers, vLLM and other tools read: [(entries, {saved
     name: meta tensor, floats in `dtype`})], the entries of a group fetched together."""
     mapping = conversion_mapping.get_model_conversion_mapping(plain, add_legacy=False)
-    converters = [t for t in mapping if isinstance(t, core_model_loading.WeightConverter)]
-    reverse = [t.reverse_transform() for t in converters[::-1]]
+    reverse = [
+        t.reverse_transform()
+        for t in mapping[::-1]
+        if isinstance(t, core_model_loading.WeightConverter)
+    ]
     groups = {}
     for entry in entries:
         target, pattern = core_model_loading.apply_converters(entry[0], reverse)
@@ -319,9 +323,7 @@ def model_identity(name: str, config, seed: int) -> dict:
         return {"tiny": seed, "config": config.to_dict()}
     folder = os.path.expanduser(name)
     # A hub id has no folder here: its commit says it all.
-    names = []
-    if os.path.isdir(folder):
-        names = sorted(os.listdir(folder))
+    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
     files = [
         (f, os.path.getsize(os.path.join(folder, f)), os.path.getmtime(os.path.join(folder, f)))
         for f in names

@@ -91,10 +91,6 @@ def resolve_precision(config: PrecisionConfig, device: torch.device) -> Precisio
     if config.reduce_dtype == "bf16" and name != "bf16":
         raise ValueError(f"--reduce-dtype bf16 needs --precision bf16 (resolved precision: {name})")
     dtype = _DTYPES[name]
-    # Float32 by default: summing N bf16/fp16 gradients loses bits, and fp16 can overflow
-    # mid-reduction.
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=_DTYPES[config.reduce_dtype])
-    scaler = torch.amp.GradScaler(device.type, enabled=name == "fp16")
     warning = None
     if name == "bf16" and device.type == "cpu" and cpu_has_native_bf16() is False:
         warning = (
@@ -103,7 +99,15 @@ def resolve_precision(config: PrecisionConfig, device: torch.device) -> Precisio
             "fp32 (or auto) is faster here"
         )
     return Precision(
-        name=name, compute_dtype=dtype, mp_policy=policy, scaler=scaler, warning=warning
+        name=name,
+        compute_dtype=dtype,
+        # Reduced in float32 by default: summing N bf16/fp16 gradients loses bits, and fp16 can
+        # overflow mid-reduction.
+        mp_policy=MixedPrecisionPolicy(
+            param_dtype=dtype, reduce_dtype=_DTYPES[config.reduce_dtype]
+        ),
+        scaler=torch.amp.GradScaler(device.type, enabled=name == "fp16"),
+        warning=warning,
     )
 
 

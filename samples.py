@@ -156,8 +156,11 @@ def _keep_gathered(model, device: torch.device) -> list:
         dtype = model._get_fsdp_state()._mp_policy.param_dtype
         gathered = sum(p.numel() * (dtype or p.dtype).itemsize for p in model.parameters())
         # What this process can still allocate: free, or cached and unused.
-        free = torch.cuda.mem_get_info(device)[0]
-        room = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        room = (
+            torch.cuda.mem_get_info(device)[0]
+            + torch.cuda.memory_reserved(device)
+            - torch.cuda.memory_allocated(device)
+        )
         # A quarter stays for the KV cache, activations and logits; past that, per token as before.
         if gathered > 0.75 * room:
             return []

@@ -18,6 +18,7 @@ import random
 import re
 import shutil
 import signal
+import string
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,7 @@ import safetensors.torch
 import torch
 import torch.distributed as dist
 import transformers
+import tyro
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -201,6 +203,7 @@ def trainer_args(out, *args, device="cpu"):
         "--num-samples",
         "0",
         "--no-eval-before",
+        "--no-warm-start",
         "--device",
         device,
         *held_out,
@@ -434,6 +437,33 @@ def test_chosen_nll_is_the_token_mean_however_the_batch_is_split():
         [chosen_nll(logps[:2], per_pair), chosen_nll(logps[2:], per_pair)]
     )  # two micro-batches
     assert halves.mean().item() == pytest.approx(token_mean.item(), rel=1e-6)
+
+
+def test_sigmoid_is_dpo_by_its_canonical_name():
+    # Resolved to "dpo": a checkpoint saved under either name resumes under the other.
+    assert LossConfig(loss=("sigmoid",)).loss == ("dpo",)
+    assert LossConfig(loss="sigmoid") == LossConfig(loss="dpo")
+    assert LossConfig(loss=("sigmoid", "sft")).loss == ("dpo", "sft")
+    logps = [torch.tensor([-1.0, -3.0]), torch.tensor([-2.0, -1.0])]
+    refs = [torch.tensor([-1.5, -2.0]), torch.tensor([-1.5, -2.0])]
+    for got, want in zip(
+        preference_loss(*logps, *refs, loss_type="sigmoid", label_smoothing=0.1),
+        preference_loss(*logps, *refs, loss_type="dpo", label_smoothing=0.1),
+    ):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="is not one of dpo, sigmoid"):
+        LossConfig(loss="logistic")
+
+
+@pytest.mark.parametrize(
+    "argv, resolved",
+    [(["--loss", "sigmoid"], ("dpo",)), (["--loss", "sigmoid", "--loss", "sft"], ("dpo", "sft"))],
+)
+def test_sigmoid_parses_as_train_dpo_main_reads_the_command_line(argv, resolved):
+    cfg = tyro.cli(train_dpo.Config, args=argv, config=(tyro.conf.UseAppendAction,))
+    assert cfg.objective.loss == resolved
+    # As saved in a checkpoint and compared on resume.
+    assert dataclasses.asdict(cfg.objective) == dataclasses.asdict(LossConfig(loss=resolved))
 
 
 def test_rewards_are_detached_and_reference_is_required():
@@ -1409,6 +1439,276 @@ def test_hub_path_reads_a_saved_dataset_like_the_file(tmp_path, monkeypatch):
         read_rows(f"hub:{tmp_path / 'ds'}")
 
 
+def _char_tokenizer():
+    """A character-level fast tokenizer over printable ASCII, with no chat template and no BOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = sorted(set(string.printable) - set("\t\r\x0b\x0c"))
+    vocab = {"<pad>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    raw.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    raw.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", pad_token="<pad>")
+
+
+def _message(role, content):
+    return {"role": role, "content": content}
+
+
+# ------------------------------------------------------------------ ultrafeedback_binarized's shape
+# (prompt, shared messages after the prompt's user turn, chosen answer, rejected answer)
+_TURNS = [
+    ("Rate the mug", [], "Great. 5/5", "Bad. 1/5"),
+    ("Rate the lamp", [], "Bright. 4/5", "Dim. 2/5"),
+    # Multi-turn: the shared messages run on past the prompt's turn.
+    (
+        "Name a color",
+        [_message("assistant", "Red."), _message("user", "Another?")],
+        "Blue.",
+        "No.",
+    ),
+]
+
+
+def _ultrafeedback_rows():
+    rows = []
+    for i, (prompt, more, good, bad) in enumerate(_TURNS):
+        chosen = [_message("user", prompt), *more, _message("assistant", good)]
+        rows.append(
+            {
+                "prompt": prompt,
+                "chosen": chosen,
+                "rejected": [_message("user", prompt), *more, _message("assistant", bad)],
+                "messages": chosen,
+                "score_chosen": 8.0,
+                "score_rejected": 5.0,
+                "prompt_id": f"id{i}",
+            }
+        )
+    return rows
+
+
+def _conversational_rows():
+    return [
+        {
+            "prompt": [_message("user", prompt), *more],
+            "chosen": [_message("assistant", good)],
+            "rejected": [_message("assistant", bad)],
+        }
+        for prompt, more, good, bad in _TURNS
+    ]
+
+
+def test_ultrafeedback_shape_reads_and_tokenizes_as_the_conversational_shape(tmp_path):
+    tok = load_tokenizer("tiny")
+    uf = _write_jsonl(tmp_path / "uf.jsonl", _ultrafeedback_rows())
+    conv = _write_jsonl(tmp_path / "conv.jsonl", _conversational_rows())
+
+    def fields(rows):
+        return [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows]
+
+    assert fields(read_rows(uf)) == fields(read_rows(conv)) == _conversational_rows()
+    uf_tokens, uf_summary = _tokens_of(uf, tok)
+    conv_tokens, conv_summary = _tokens_of(conv, tok)
+    assert uf_tokens == conv_tokens and uf_summary == conv_summary and len(uf_tokens) == 3
+    multi_turn = (
+        "<|user|>\nName a color\n<|assistant|>\nRed.</s>\n<|user|>\nAnother?\n<|assistant|>\n"
+    )
+    assert uf_tokens[2]["prompt"] == tok(multi_turn, add_special_tokens=False)["input_ids"]
+    # A system turn may come first; the prompt is still the shared first messages.
+    system = _ultrafeedback_rows()[:1]
+    for field in ("chosen", "rejected"):
+        system[0][field] = [_message("system", "Be brief."), *system[0][field]]
+    (row,) = read_rows(_write_jsonl(tmp_path / "system.jsonl", system))
+    assert row["prompt"] == [_message("system", "Be brief."), _message("user", "Rate the mug")]
+
+
+def test_ultrafeedback_shape_errors_name_the_row_and_the_remedy(tmp_path):
+    rows = _ultrafeedback_rows()
+    rows[1]["prompt"] = "Rate the desk"
+    path = _write_jsonl(tmp_path / "uf.jsonl", rows)
+    with pytest.raises(DataError) as error:
+        read_rows(path)
+    assert str(error.value) == (
+        f"{path}:2: field 'prompt' is a string that no user turn among the first messages "
+        "'chosen' and 'rejected' share repeats; begin both with it as a user turn, or give the "
+        "prompt as a message list and the responses without it"
+    )
+    # Responses that leave the prompt out share no first message.
+    rows = _ultrafeedback_rows()
+    rows[0]["chosen"], rows[0]["rejected"] = rows[0]["chosen"][1:], rows[0]["rejected"][1:]
+    with pytest.raises(DataError, match=r"uf2.jsonl:1: .* share no first message .*; begin both"):
+        read_rows(_write_jsonl(tmp_path / "uf2.jsonl", rows))
+    # Other mixes stay refused, with the remedy.
+    mixed = [{"prompt": [_message("user", "Hi")], "chosen": "Hello", "rejected": "Go"}]
+    with pytest.raises(DataError) as error:
+        read_rows(_write_jsonl(tmp_path / "mixed.jsonl", mixed))
+    assert str(error.value) == (
+        f"{tmp_path / 'mixed.jsonl'}:1: fields mix strings and message lists (prompt: "
+        "conversational, chosen: standard, rejected: standard); give all three as strings or as "
+        "message lists (a string prompt goes with message-list responses that begin with it as a "
+        "user turn)"
+    )
+    assert "\n" not in str(error.value)
+
+
+def test_hub_dataset_in_ultrafeedback_shape_reads_its_named_split(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = _ultrafeedback_rows()
+    splits = {"train_prefs": rows, "test_prefs": rows[:2]}
+    datasets.DatasetDict(
+        {name: datasets.Dataset.from_list(r) for name, r in splits.items()}
+    ).save_to_disk(str(tmp_path / "uf"))
+    test = read_rows(f"hub:{tmp_path / 'uf'}:test_prefs")
+    assert [r["prompt"] for r in test] == [r["prompt"] for r in _conversational_rows()[:2]]
+    rows[1]["prompt"] = "Rate the desk"
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "bad"))
+    with pytest.raises(DataError, match=rf"^hub:{tmp_path / 'bad'} row 2: field 'prompt' is a"):
+        read_rows(f"hub:{tmp_path / 'bad'}")
+
+
+# ----------------------------------------------------------------------- hub:NAME:CONFIG:SPLIT
+def test_hub_config_reaches_load_dataset(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    rows = [{"prompt": f"p{i}", "chosen": f" c{i}", "rejected": f" r{i}"} for i in range(3)]
+    calls = []
+
+    def load_dataset(name, config=None, split=None):
+        calls.append((name, config, split))
+        return datasets.Dataset.from_list(rows)
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    for spec in ("org/prefs", "org/prefs:test", "org/prefs:default:train_prefs"):
+        assert len(read_rows(f"hub:{spec}")) == 3
+    assert calls == [
+        ("org/prefs", None, "train"),
+        ("org/prefs", None, "test"),
+        ("org/prefs", "default", "train_prefs"),
+    ]
+    # A folder with a config is a dataset's files for load_dataset, not a save_to_disk folder.
+    read_rows(f"hub:{tmp_path}:default:train")
+    assert calls[-1] == (str(tmp_path), "default", "train")
+    # The config is part of the cache key.
+    tok = load_tokenizer("tiny")
+    cache = str(tmp_path / "cache")
+    for spec in ("hub:org/prefs:a:train", "hub:org/prefs:b:train"):
+        data.tokenize_to_cache(DataConfig(data=(spec,), cache_dir=cache), tok)
+    assert len(os.listdir(cache)) == 2
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(DataError, match=r"^hub:org/prefs:a:b: hub datasets need the datasets"):
+        read_rows("hub:org/prefs:a:b")
+
+
+# ------------------------------------------------------------------------------- --chat-template
+_USER = [_message("user", "Rate the mug")]
+_CHATML_PROMPT = "<|im_start|>user\nRate the mug<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _conversation(tmp_path):
+    row = {
+        "prompt": _USER,
+        "chosen": [_message("assistant", "Great. 5/5")],
+        "rejected": [_message("assistant", "Bad. 1/5")],
+    }
+    return _write_jsonl(tmp_path / "conv.jsonl", [row])
+
+
+def _decoded(tokens, tok):
+    return [{k: tok.decode(v) for k, v in pair.items()} for pair in tokens]
+
+
+def _char_model(tmp_path):
+    """A base model's tokenizer folder: _char_tokenizer, without a chat template."""
+    folder = str(tmp_path / "char")
+    _char_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_chat_template_renders_message_lists_for_a_tokenizer_without_one(tmp_path):
+    """--chat-template replaces the tokenizer's template as loaded (so the export saves it too)."""
+    folder = _char_model(tmp_path)
+    path = _conversation(tmp_path)
+    with pytest.raises(DataError, match=r"conv.jsonl:1: message lists need a chat template"):
+        _tokens_of(path, load_tokenizer(folder))
+    chatml = {
+        "prompt": _CHATML_PROMPT,
+        "chosen": "Great. 5/5<|im_end|>\n</s>",
+        "rejected": "Bad. 1/5<|im_end|>\n</s>",
+    }
+    tok = load_tokenizer(folder, "chatml")
+    assert tok.chat_template == data._CHAT_TEMPLATES["chatml"]
+    tokens, _ = _tokens_of(path, tok)
+    assert _decoded(tokens, tok) == [chatml]
+    assert tokens[0]["prompt"] == tok(_CHATML_PROMPT, add_special_tokens=False)["input_ids"]
+    # A Jinja file works the same: the shipped text gives the same tokens, another its own.
+    shipped = tmp_path / "chatml.jinja"
+    shipped.write_text(data._CHAT_TEMPLATES["chatml"])
+    assert _tokens_of(path, load_tokenizer(folder, str(shipped)))[0] == tokens
+    plain = tmp_path / "plain.jinja"
+    plain.write_text(
+        "{% for m in messages %}{{ m.role + ': ' + m.content + '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+    )
+    assert _decoded(_tokens_of(path, load_tokenizer(folder, str(plain)))[0], tok) == [
+        {
+            "prompt": "user: Rate the mug\nassistant: ",
+            "chosen": "Great. 5/5\n</s>",
+            "rejected": "Bad. 1/5\n</s>",
+        }
+    ]
+    # It replaces a tokenizer's own template too.
+    tiny = load_tokenizer("tiny", "chatml")
+    assert _decoded(_tokens_of(path, tiny)[0], tiny) == [chatml]
+    # A missing file or a name not shipped: one line naming the flag.
+    for name in ("chatml2", str(tmp_path / "none.jinja")):
+        with pytest.raises(ValueError) as error:
+            load_tokenizer(folder, name)
+        assert str(error.value) == (
+            f"--chat-template {name}: no such file, and not a template this project ships (chatml)"
+        )
+
+
+def test_chat_template_is_part_of_the_cache_key(tmp_path):
+    folder = _char_model(tmp_path)
+    tok = load_tokenizer(folder)
+    path = _conversation(tmp_path)
+    template = tmp_path / "t.jinja"
+    template.write_text(data._CHAT_TEMPLATES["chatml"])
+
+    def cached(name):
+        config = DataConfig(data=(path,), cache_dir=str(tmp_path / "cache"), chat_template=name)
+        return data.tokenize_to_cache(config, load_tokenizer(folder, name))
+
+    first = cached("chatml")
+    assert cached("chatml") == first and cached(str(template)) != first
+    # An edited file is a new template: its tokens are not reused.
+    before = cached(str(template))
+    template.write_text(data._CHAT_TEMPLATES["chatml"].replace("im_", "turn_"))
+    after = cached(str(template))
+    assert after != before
+    train, _, _ = data.load_tokens(after)
+    assert tok.decode(train[0]["prompt"]).startswith("<|turn_start|>user")
+
+
+def test_inspector_takes_a_chat_template(tmp_path, capsys):
+    path = _conversation(tmp_path)
+    data.inspect([path, "--model", "tiny", "--chat-template", "chatml", "--show", "1"])
+    shown, _ = capsys.readouterr().out.splitlines()
+    assert json.loads(shown) == {
+        "prompt": _CHATML_PROMPT,
+        "chosen": "Great. 5/5<|im_end|>\n</s>",
+        "rejected": "Bad. 1/5<|im_end|>\n</s>",
+    }
+    with pytest.raises(SystemExit) as exit_info:
+        data.inspect([path, "--model", "tiny", "--chat-template", "nope"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: --chat-template nope: no such file, and not a template this project ships "
+        "(chatml)\n"
+    )
+
+
 def test_eval_fraction_holds_out_a_fixed_disjoint_share(tmp_path):
     _, tok = tiny(seed=0)
     rows = [{"prompt": f"p{i}", "chosen": f" c{i}", "rejected": f" r{i}"} for i in range(40)]
@@ -1564,6 +1864,7 @@ def test_bad_input_from_the_command_line_has_no_traceback(tmp_path, capsys):
                 "--out-dir",
                 str(tmp_path / "o"),
                 *ON_CPU,
+                "--no-warm-start",
                 "--batch-size",
                 "30",
                 "--micro-batch-size",
@@ -1658,7 +1959,7 @@ def test_deterministic_turns_on_deterministic_kernels_and_cublas_workspace_and_o
 
     monkeypatch.setattr(fsdp_setup, "init_distributed", init_distributed)
     with pytest.raises(SystemExit):
-        train_dpo.main(["--deterministic"])
+        train_dpo.main(["--deterministic", "--no-warm-start"])
     assert seen == [True]
 
 
@@ -2221,6 +2522,25 @@ def test_tiny_run_learns_the_preference_and_exports_a_loadable_model(tmp_path):
 ADAM_ATOL = 1e-4
 
 
+def test_learning_rate_schedules_and_warmup_ratio_by_hand():
+    def lrs(total=10, **config):
+        cfg = train_dpo.Config(lr=1.0, warmup_steps=2, **config)
+        return [train_dpo.get_lr(step, cfg, total) for step in range(total)]
+
+    # Warmup (step + 1) / (warmup + 1), then from 1 down to a tenth at the last step.
+    cosine = lrs()
+    assert cosine[:3] == pytest.approx([1 / 3, 2 / 3, 1.0]) and cosine[-1] == pytest.approx(0.1)
+    assert cosine[5] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 3 / 7)))
+    # transformers' linear decay: (total - step) / (total - warmup), 0 one step after the last.
+    assert lrs(lr_schedule="linear")[2:] == pytest.approx([(10 - s) / 8 for s in range(2, 10)])
+    assert lrs(lr_schedule="constant")[2:] == [1.0] * 8
+    # A ratio of the steps replaces --warmup-steps: 0.25 of 20 is 5 steps.
+    ratio = lrs(total=20, warmup_ratio=0.25)
+    assert ratio[:6] == pytest.approx([1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6, 1.0])
+    with pytest.raises(ValueError, match="--warmup-ratio in"):
+        train_dpo.Config(warmup_ratio=1.0)
+
+
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     a = run(tmp_path, "a", "--max-steps", "3")
     b = run(tmp_path, "b", "--max-steps", "3", "--micro-batch-size", "4")
@@ -2613,7 +2933,8 @@ def test_resume_refuses_a_different_run_and_exports_in_the_chosen_dtype(tmp_path
     assert {v.dtype for v in exported.values()} == {torch.bfloat16}
     assert AutoModelForCausalLM.from_pretrained(os.path.join(out, "final")).dtype == torch.bfloat16
     capsys.readouterr()
-    resume = ["--out-dir", out, "--cache-dir", CACHE, "--batch-size", "16", *ON_CPU]
+    resume = ["--out-dir", out, "--cache-dir", CACHE, "--batch-size", "16", "--no-warm-start"]
+    resume += ON_CPU
     resume += ["--resume", "latest"]
     for args, message in (
         (["--batch-size", "8"], "--batch-size is 8 but the checkpoint was trained with 16"),
@@ -3920,6 +4241,46 @@ def test_demo_reports_the_scorer_share_and_plots_the_curves(tmp_path, monkeypatc
     assert not (tmp_path / "none.png").exists()
 
 
+def test_the_default_run_trains_the_demo_sft_stage_once_then_dpo_from_it(tmp_path, capsys):
+    """Both stages cut to 2 steps: the SFT stage's flags and the DPO flags that follow it as
+    demo.warm_start gives them, with the run's own flags last. A second run finds the SFT stage in
+    the cache; --no-warm-start, a --model or a --data have none."""
+    real = train_dpo.demo.warm_start
+
+    def short(*args):
+        stages = real(*args)
+        if stages.get("sft"):
+            stages["sft"] += ["--max-steps", "2", "--batch-size", "16", "--eval-data", HELD_OUT]
+        if stages:
+            stages["then"] += ["--max-steps", "2", "--num-samples", "2", "--sample-max-tokens", "4"]
+        return stages
+
+    cache = str(tmp_path / "cache")
+    sft = os.path.join(cache, "demo-sft", "final")
+    flags = ["--cache-dir", cache, "--batch-size", "16", "--eval-data", HELD_OUT, *ON_CPU]
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(train_dpo.demo, "warm_start", short)
+        for name in ("first", "second"):
+            train_dpo.main(["--out-dir", str(tmp_path / name), *flags, "--eval-every", "1"])
+            err = capsys.readouterr().err.strip().splitlines()
+            assert (f"saved {sft}" in err) == (name == "first")
+            assert f"demo: DPO from its SFT stage's model, {sft} (trained once)" in err
+            out = str(tmp_path / name)
+            assert json.load(open(os.path.join(out, "final", "train_config.json")))["model"] == sft
+            # From the SFT model, against itself: ln 2; the demo's last line sums up.
+            assert read_metrics(out)[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+            evals = read_metrics(out, "eval")
+            assert [r["step"] for r in evals] == [0, 1, 2]
+            assert err[-1].startswith(
+                f"demo: the scorer prefers {evals[0]['samples/preferred']:.0%} of samples at step "
+                f"0 and {evals[-1]['samples/preferred']:.0%} at step 2; 'Review the"
+            )
+    assert real(False, "tiny", ("demo",), True, cache) == {}
+    assert real(True, "gpt2", ("demo",), True, cache) == {}
+    assert real(True, "tiny", ("pairs.jsonl",), True, cache) == {}
+    assert real(True, "tiny", (), False, cache) == {}
+
+
 def test_wandb_gets_the_same_rows_and_a_clear_error_when_missing(tmp_path, monkeypatch, capsys):
     import importlib.machinery
     import types
@@ -3951,9 +4312,14 @@ def test_wandb_gets_the_same_rows_and_a_clear_error_when_missing(tmp_path, monke
         "4",
         "--wandb-project",
         "p",
+        "--wandb-run-name",
+        "first",
         "--eval-before",
+        "--save-every",
+        "2",
     )
     assert calls[0][0] == "init" and calls[0][1]["project"] == "p" and calls[-1] == ("finish",)
+    assert calls[0][1]["name"] == "first" and calls[0][1]["resume"] == "allow"
     logged = [c for c in calls if c[0] == "log"]
     train = [(step, data["train/loss"]) for _, step, data in logged if "train/loss" in data]
     assert train == [(r["step"], r["loss"]) for r in read_metrics(out)]
@@ -3963,6 +4329,14 @@ def test_wandb_gets_the_same_rows_and_a_clear_error_when_missing(tmp_path, monke
         "prompt",
         "completion",
     ]
+    # Resumed, in the same --out-dir: the same W&B run goes on; a fresh run in another gets its own.
+    first = calls[0][1]["id"]
+    calls.clear()
+    run(tmp_path, "run", "--max-steps", "3", "--wandb-project", "p", "--resume", "latest")
+    assert calls[0][1]["id"] == first and {c[1] for c in calls if c[0] == "log"} == {3}
+    calls.clear()
+    run(tmp_path, "other", "--max-steps", "1", "--wandb-project", "p")
+    assert calls[0][1]["id"] != first
     monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:

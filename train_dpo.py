@@ -7,7 +7,6 @@ evaluation, checkpoints, export).
         --data prefs.jsonl
 """
 
-import importlib.util
 import json
 import math
 import os
@@ -39,16 +38,6 @@ from lora import LoraConfig
 _FLAGS = tyro.conf.OmitArgPrefixes
 
 
-def _objective_flags() -> loss.LossConfig:
-    """The objective's defaults as the command line sees them. tyro appends each repeated --loss
-    and --loss-weights to its default, so these two start empty here; LossConfig reads empty as
-    dpo, with weight 1."""
-    defaults = loss.LossConfig()
-    defaults.loss = ()
-    defaults.loss_weights = ()
-    return defaults
-
-
 # ------------------------------------------------------------------------------------------ config
 @dataclass
 class Config:
@@ -57,7 +46,7 @@ class Config:
     reference."""
     dataset: Annotated[data.DataConfig, _FLAGS] = field(default_factory=data.DataConfig)
     batching: Annotated[batches.BatchConfig, _FLAGS] = field(default_factory=batches.BatchConfig)
-    objective: Annotated[loss.LossConfig, _FLAGS] = field(default_factory=_objective_flags)
+    objective: Annotated[loss.LossConfig, _FLAGS] = field(default_factory=loss.flag_defaults)
     mixed_precision: Annotated[precision.PrecisionConfig, _FLAGS] = field(
         default_factory=precision.PrecisionConfig
     )
@@ -75,22 +64,30 @@ class Config:
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
     warmup_steps: int = 10
-    """Linear warmup steps, then cosine decay to a tenth of --lr at the last step."""
+    """Linear warmup steps, then the --lr-schedule."""
+    warmup_ratio: float = 0.0
+    """Warmup as a share of all steps (TRL's warmup_ratio); above 0 it replaces --warmup-steps."""
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """After warmup: cosine to a tenth of --lr at the last step (kept low, not 0, so the last steps
+    still learn), linear to 0 (TRL's default), or constant."""
     out_dir: str = "runs/dpo"
     """Where metrics.jsonl, checkpoints/ and final/ (the Hugging Face export) go."""
-    wandb_project: str | None = None
-    """Also log metrics and samples to this Weights & Biases project (needs the wandb package)."""
+    wandb: Annotated[metrics.WandbConfig, _FLAGS] = field(default_factory=metrics.WandbConfig)
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the Hugging Face export in {out_dir}/final; float32 is the master weights as
     trained."""
     seed: int = 0
     """Seeds the tiny model's init and the data order."""
+    warm_start: bool = True
+    """With the tiny model on the demo's data (no --model, no --data), first train the demo's SFT
+    stage (once; then found in --cache-dir) and run DPO from it, so that its samples visibly move.
+    --no-warm-start: DPO from random weights."""
     dropout: bool = False
     """Keep the model's dropout on in the policy. Off (as in TRL): it makes the log-ratios noisy
     from step 1."""
 
     def __post_init__(self):
-        # A copy runs LossConfig.__post_init__ again, which resolves _objective_flags' empty loss
+        # A copy runs LossConfig.__post_init__ again, which resolves loss.flag_defaults' empty loss
         # list (the command line's default) to dpo, with weight 1.
         self.objective = replace(self.objective)
         # tiny trains from scratch. Otherwise the DPO paper's rate, or with LoRA that of TRL's LoRA
@@ -99,11 +96,10 @@ class Config:
             self.lr = 1e-3
         elif self.lr is None:
             self.lr = 5e-6 if self.lora.lora_rank else 5e-7
-        if min(self.warmup_steps, self.weight_decay) < 0:
-            raise ValueError("--warmup-steps and --weight-decay must be >= 0")
-        # The one check for wandb, which is imported lazily.
-        if self.wandb_project and importlib.util.find_spec("wandb") is None:
-            raise ValueError("--wandb-project needs the wandb package: pip install wandb")
+        if min(self.warmup_steps, self.weight_decay) < 0 or not 0 <= self.warmup_ratio < 1:
+            raise ValueError(
+                "--warmup-steps and --weight-decay must be >= 0, --warmup-ratio in [0, 1)"
+            )
         if self.lora.lora_rank and self.objective.sync_ref_model:
             raise ValueError(
                 "--sync-ref-model: with --lora-rank the reference is the base model, which never "
@@ -160,10 +156,15 @@ def train(cfg: Config, device: torch.device) -> int:
     log = metrics.RunLog(
         cfg.out_dir, run.start_step, samples=cfg.sampling.num_samples > 0 and len(run.eval) > 0
     )
-    if cfg.wandb_project:
+    if cfg.wandb.wandb_project:
         # Rank 0's run. Its failure (no API key on a batch node) stops every rank at once.
         log.wandb = fsdp_setup.on_rank0(
-            metrics.open_wandb, cfg.wandb_project, asdict(cfg), cfg.out_dir, share=False
+            metrics.open_wandb,
+            cfg.wandb,
+            asdict(cfg),
+            cfg.out_dir,
+            run.start_step > 0,
+            share=False,
         )
     log.write_data(
         {"train": run.data["train"], "eval": run.data["eval"]}, fresh=run.start_step == 0
@@ -186,23 +187,18 @@ def train(cfg: Config, device: torch.device) -> int:
 
     for step in range(run.start_step, run.steps.total_steps):
         step_t0 = time.perf_counter()
-        lr = get_lr(step, cfg.lr, cfg.warmup_steps, run.steps.total_steps)
+        done = step + 1
+        lr = get_lr(step, cfg, run.steps.total_steps)
         stats = train_step(run, optimizer, run.steps(step), lr, stop)
         if cfg.objective.sync_ref_model and (step + 1) % cfg.objective.ref_model_sync_steps == 0:
             # TR-DPO: the reference moves toward the policy, shard by shard (after a skipped step
             # too, as in TRL).
             fsdp_setup.mix_into(run.reference, run.policy, cfg.objective.ref_model_mixup_alpha)
 
-        seconds = time.perf_counter() - step_t0
-        row = stats.row(step + 1, lr, seconds, cfg.batching.batch_size, peak_flops)
-        row["elapsed_s"] = time.perf_counter() - t0
+        now = time.perf_counter()
+        row = stats.row(done, lr, now - step_t0, cfg.batching.batch_size, peak_flops, now - t0)
         log.write(row)
-        metrics.show_progress(step + 1, run.steps.total_steps, row)
-
-        if stats.skipped:
-            metrics.say(
-                f"step {step + 1}: non-finite loss or gradient norm, step skipped on every rank"
-            )
+        metrics.show_progress(done, run.steps.total_steps, row)
         bad_steps = precision.count_bad_steps(
             bad_steps, stats.skipped, stats.means["loss"], run.precision.scaler
         )
@@ -215,11 +211,15 @@ def train(cfg: Config, device: torch.device) -> int:
             log.close()
             return 1
 
-        eval_every = cfg.sampling.eval_every
-        if eval_every and (step + 1) % eval_every == 0 and step + 1 < run.steps.total_steps:
-            evaluate_and_sample(run, log, step + 1, t0)
-        save_every = cfg.checkpoints.save_every
-        if (save_every and (step + 1) % save_every == 0) or stats.stop_requested:
+        if (
+            cfg.sampling.eval_every
+            and done % cfg.sampling.eval_every == 0
+            and done < run.steps.total_steps
+        ):
+            evaluate_and_sample(run, log, done, t0)
+        if (
+            cfg.checkpoints.save_every and done % cfg.checkpoints.save_every == 0
+        ) or stats.stop_requested:
             path = save(run, saver, optimizer, step + 1)
         # A background save written by now moves `latest`; before a stop, wait for it.
         saver.finish(wait=stats.stop_requested)
@@ -331,12 +331,19 @@ def pair_losses(
     )
 
 
-def get_lr(step: int, peak: float, warmup: int, total: int) -> float:
-    """1) linear warmup to peak over `warmup` steps; 2) cosine decay to peak/10 at the last step."""
+def get_lr(step: int, cfg: Config, total: int) -> float:
+    """Step `step`'s (0-based, of `total`) learning rate: a linear warmup to --lr, then
+    --lr-schedule."""
+    warmup = math.ceil(cfg.warmup_ratio * total) if cfg.warmup_ratio else cfg.warmup_steps
     if step < warmup:
-        return peak * (step + 1) / (warmup + 1)
-    progress = (step - warmup) / max(total - 1 - warmup, 1)
-    return peak / 10 + (peak - peak / 10) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        return cfg.lr * (step + 1) / (warmup + 1)
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    if cfg.lr_schedule == "linear":
+        # As transformers' linear schedule: it would reach 0 one step after the last.
+        return cfg.lr * (total - step) / (total - warmup)
+    progress = min((step - warmup) / max(total - 1 - warmup, 1), 1.0)
+    return cfg.lr / 10 + (cfg.lr - cfg.lr / 10) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def evaluate_and_sample(run: "Run", log: metrics.RunLog, step: int, t0: float) -> None:
@@ -346,12 +353,8 @@ def evaluate_and_sample(run: "Run", log: metrics.RunLog, step: int, t0: float) -
         return
 
     def pair_rows(idx, pairs):  # (B, len(PAIR_METRICS))
-        out = pair_losses(run, "eval", idx, pairs, run.eval.mean_chosen())
-        return metrics.pair_stats(out)
+        return metrics.pair_stats(pair_losses(run, "eval", idx, pairs, run.eval.mean_chosen()))
 
-    prompts = [
-        run.eval[i]["prompt"] for i in range(min(run.cfg.sampling.num_samples, len(run.eval)))
-    ]
     # Every rank evaluates and generates (FSDP needs them all); rank 0 writes.
     with fsdp_setup.inference(run.policy):
         table = batches.pair_table(
@@ -365,17 +368,21 @@ def evaluate_and_sample(run: "Run", log: metrics.RunLog, step: int, t0: float) -
         completions = samples.sample_completions(
             run.policy,
             run.tokenizer,
-            prompts,
+            [
+                run.eval[i]["prompt"]
+                for i in range(min(run.cfg.sampling.num_samples, len(run.eval)))
+            ],
             run.cfg.sampling,
             run.pad_id,
             run.cfg.seed,
             run.device,
         )
     means = metrics.pair_means(table.sum(0), len(run.eval), run.cfg.objective.pairwise)
-    if run.demo and completions:
+    rows = [{"step": step, **c} for c in completions]
+    if run.demo is not None and completions:
         # The demo's ground truth: the shares of samples in the chosen and in the rejected style.
         means.update(demo.score_samples([c["completion"] for c in completions]))
-    rows = [{"step": step, **c} for c in completions]
+        run.demo.append((step, means["samples/preferred"], rows[0]))
     log.write({"step": step, "split": "eval", **means, "elapsed_s": time.perf_counter() - t0}, rows)
     metrics.say(metrics.eval_line(step, len(run.eval), means, rows))
 
@@ -392,7 +399,9 @@ class Run:
     train: data.PairTokens
     eval: data.PairTokens
     data: dict  # the tokenized data's summary: fingerprint, sha256, counts
-    demo: bool  # the built-in demo, whose samples have a ground-truth scorer
+    # The built-in demo's evaluations, [(step, preferred share, first sample)]: its samples have a
+    # ground-truth scorer. None for other data.
+    demo: list | None
     steps: batches.StepBatches  # each step's global batch
     start_step: int
     pad_id: int  # any id does: padding is never attended to nor scored
@@ -415,7 +424,7 @@ def setup(cfg: Config, device: torch.device) -> tuple[Run, torch.optim.Optimizer
     mixed = precision.resolve_precision(cfg.mixed_precision, device)
     if mixed.warning:
         metrics.say(f"warning: {mixed.warning}")
-    tokenizer = data.load_tokenizer(cfg.model)
+    tokenizer = data.load_tokenizer(cfg.model, cfg.dataset.chat_template)
     model_config = models.load_model_config(cfg.model, tokenizer, cfg.dataset.max_length)
     # A bad --lora-targets (or --export-merged) fails here, before any weights are read.
     probe = prepare_model(cfg, models.build_model(model_config))
@@ -460,7 +469,6 @@ def setup(cfg: Config, device: torch.device) -> tuple[Run, torch.optim.Optimizer
             make, weights, mixed.mp_policy, device, cfg.fsdp, frozen=True
         )
     del weights
-    pad_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
     start_step = saved["step"] if saved else 0
     run = Run(
         cfg=cfg,
@@ -470,10 +478,10 @@ def setup(cfg: Config, device: torch.device) -> tuple[Run, torch.optim.Optimizer
         train=train_pairs,
         eval=eval_pairs,
         data=summary,
-        demo=is_demo,
+        demo=[] if is_demo else None,
         steps=steps,
         start_step=start_step,
-        pad_id=pad_id,
+        pad_id=tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id,
         policy=policy,
         reference=reference,
         flop_coefficients=metrics.flop_coefficients(policy),
@@ -493,8 +501,13 @@ def setup(cfg: Config, device: torch.device) -> tuple[Run, torch.optim.Optimizer
     )
     if saved:
         # TR-DPO's reference was saved too.
-        synced = reference if cfg.objective.sync_ref_model else None
-        rngs = checkpoint.load_checkpoint(saved["path"], policy, optimizer, synced, mixed.scaler)
+        rngs = checkpoint.load_checkpoint(
+            saved["path"],
+            policy,
+            optimizer,
+            reference if cfg.objective.sync_ref_model else None,
+            mixed.scaler,
+        )
         note = (
             ""
             if rngs
@@ -578,43 +591,63 @@ def save(run: Run, saver: checkpoint.Checkpointer, optimizer, step: int) -> str:
         "schedule": {
             "lr": run.cfg.lr,
             "warmup_steps": run.cfg.warmup_steps,
+            "warmup_ratio": run.cfg.warmup_ratio,
+            "lr_schedule": run.cfg.lr_schedule,
             "total_steps": run.steps.total_steps,
         },
     }
-    # TR-DPO's reference changes as it trains: it is saved too.
-    synced = run.reference if run.cfg.objective.sync_ref_model else None
-    return saver.save(step, run.policy, optimizer, extra, synced, run.precision.scaler)
+    return saver.save(
+        step,
+        run.policy,
+        optimizer,
+        extra,
+        # TR-DPO's reference changes as it trains: it is saved too.
+        run.reference if run.cfg.objective.sync_ref_model else None,
+        run.precision.scaler,
+    )
 
 
 def export_final(run: Run, log: metrics.RunLog) -> None:
     """{out_dir}/final, written by rank 0: the policy as a Hugging Face folder in --export-dtype
     (LoRA: a peft adapter folder, or the merged weights), the tokenizer and the resolved config;
     then the log is closed."""
-    cfg = run.cfg
     metrics.say(
         "peak host memory during training, GB by rank: "
         + " ".join(f"{x:.2f}" for x in metrics.host_memory_by_rank_gb(run.device))
     )
-    final = os.path.join(cfg.out_dir, "final")
-    dtype = getattr(torch, cfg.export_dtype)
+    final = os.path.join(run.cfg.out_dir, "final")
+    dtype = getattr(torch, run.cfg.export_dtype)
     # Every rank gathers one tensor at a time; rank 0 writes.
     entries = fsdp_setup.full_tensors(run.policy, run.device)
-    if cfg.lora.lora_rank and not cfg.lora.export_merged:
+    if run.cfg.lora.lora_rank and not run.cfg.lora.export_merged:
         # The adapters alone. The tiny base is a function of --seed: no name to give.
         adapters = {
             k: fetch().to("cpu", dtype) for k, tensor, fetch in entries if tensor.requires_grad
         }
-        base = None if cfg.model == "tiny" else cfg.model
-        fsdp_setup.on_rank0(lora.save_adapters, run.policy, final, adapters, base, share=False)
-    elif cfg.lora.lora_rank:
-        merged = lora.merged_entries(run.policy, entries)
-        models.save_pretrained(final, run.policy.get_base_model(), merged, dtype)
+        fsdp_setup.on_rank0(
+            lora.save_adapters,
+            run.policy,
+            final,
+            adapters,
+            None if run.cfg.model == "tiny" else run.cfg.model,
+            share=False,
+        )
+    elif run.cfg.lora.lora_rank:
+        models.save_pretrained(
+            final, run.policy.get_base_model(), lora.merged_entries(run.policy, entries), dtype
+        )
     else:
         models.save_pretrained(final, run.policy, entries, dtype)
     fsdp_setup.on_rank0(
-        fsdp_setup.save_files, final, run.tokenizer, {"train_config.json": asdict(cfg)}, share=False
+        fsdp_setup.save_files,
+        final,
+        run.tokenizer,
+        {"train_config.json": asdict(run.cfg)},
+        share=False,
     )
     metrics.say(f"saved {final}")
+    if run.demo:
+        metrics.say(demo.what_moved(run.demo))
     # Only rank 0 has files (and W&B) to close; the others wait for it.
     fsdp_setup.on_rank0(log.close)
 
@@ -630,10 +663,24 @@ def _raise_config_error(event) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     transformers.utils.logging.disable_progress_bar()
+    argv = sys.argv[1:] if argv is None else argv
     try:
         # Repeated --data, --eval-data, --loss flags append.
         with tyro._errors.on_parse_error(_raise_config_error):
             cfg = tyro.cli(Config, args=argv, config=(tyro.conf.UseAppendAction,))
+        stages = demo.warm_start(
+            cfg.warm_start,
+            cfg.model,
+            cfg.dataset.data,
+            cfg.objective.pairwise,
+            cfg.dataset.cache_dir,
+        )
+        if stages.get("sft"):
+            main(stages["sft"])
+        if stages:
+            metrics.say(f"demo: DPO from its SFT stage's model, {stages['model']} (trained once)")
+            # The run asked for, from that model; its own flags come last and win.
+            return main([*stages["then"], *argv])
         _, _, device = fsdp_setup.init_distributed(
             cfg.fsdp.device, cfg.fsdp.replicas, deterministic=cfg.fsdp.deterministic
         )
