@@ -41,6 +41,15 @@ _FLAGS = tyro.conf.OmitArgPrefixes
 # ------------------------------------------------------------------------------------------ config
 @dataclass
 class Config:
+    """DPO, 15 more preference losses, SFT and LoRA on 1 to N GPUs with FSDP2 mixed precision.
+
+    python train_dpo.py  # the built-in demo: an SFT stage, then DPO; a CPU is fine
+
+    torchrun --nproc_per_node=8 train_dpo.py --precision bf16 --model Qwen/Qwen2.5-0.5B-Instruct
+    --data hub:HuggingFaceH4/ultrafeedback_binarized:train_prefs
+
+    Flags are grouped below by what they set; README.md and docs/flags.md say more."""
+
     model: str = "tiny"
     """Hub id, local folder, or "tiny" (random-init Llama, byte tokenizer, no download); also the
     reference."""
