@@ -1739,6 +1739,7 @@ def test_eval_fraction_holds_out_a_fixed_disjoint_share(tmp_path):
 
 
 def test_several_files_of_different_formats_train_end_to_end(tmp_path):
+    """Plain, conversational and ultrafeedback_binarized-shaped files in one run."""
     pairs = demo_pairs("train")[:32]
     std = _write_jsonl(tmp_path / "std.jsonl", pairs[:16])
     conv = _write_jsonl(
@@ -1749,7 +1750,20 @@ def test_several_files_of_different_formats_train_end_to_end(tmp_path):
                 "chosen": [{"role": "assistant", "content": p["chosen"]}],
                 "rejected": [{"role": "assistant", "content": p["rejected"]}],
             }
-            for p in pairs[16:]
+            for p in pairs[16:24]
+        ],
+    )
+    # ultrafeedback_binarized's shape: a string prompt, repeated as the responses' first user turn.
+    ultrafeedback = _write_jsonl(
+        tmp_path / "uf.jsonl",
+        [
+            {
+                "prompt": p["prompt"],
+                "chosen": [_message("user", p["prompt"]), _message("assistant", p["chosen"])],
+                "rejected": [_message("user", p["prompt"]), _message("assistant", p["rejected"])],
+                "score_chosen": 8.0,
+            }
+            for p in pairs[24:]
         ],
     )
     out = run(
@@ -1759,6 +1773,8 @@ def test_several_files_of_different_formats_train_end_to_end(tmp_path):
         std,
         "--data",
         conv,
+        "--data",
+        ultrafeedback,
         "--eval-fraction",
         "0.25",
         "--batch-size",
@@ -3193,11 +3209,11 @@ real_find = models.find_weights
 real_step = train_dpo.train_step
 steps = [0]
 
-def init_distributed(*args, **kwargs):  # collectives time out after 10 s
-    return real_init(*args, timeout_s=10, **kwargs)
+def init_distributed(*args, **kwargs):  # collectives time out after 6 s
+    return real_init(*args, timeout_s=6, **kwargs)
 
 def find_weights(*args):  # rank 0's download takes longer than any collective may wait
-    time.sleep(12)
+    time.sleep(8)
     return real_find(*args)
 
 def train_step(*args):  # SIGTERM to rank 1 alone, as step 3 starts
@@ -3219,8 +3235,8 @@ except SystemExit as e:
 def test_two_ranks_match_one_then_a_preempted_step_is_saved_once_and_resumes_on_one_rank(
     six_steps, tmp_path
 ):
-    # Two ranks of 8 pairs each (no accumulation), while rank 0 takes 12 s to load the model and
-    # collectives time out after 10 s: rank 1 must wait for it on the store (fsdp_setup.on_rank0),
+    # Two ranks of 8 pairs each (no accumulation), while rank 0 takes 8 s to load the model and
+    # collectives time out after 6 s: rank 1 must wait for it on the store (fsdp_setup.on_rank0),
     # not in a collective.
     script = tmp_path / "preempt.py"
     script.write_text(PREEMPT)
