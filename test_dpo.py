@@ -2399,6 +2399,9 @@ def test_compiled_blocks_train_like_eager_on_cpu(six_steps, tmp_path):
         "8",
         "--activation-checkpointing",
         "--compile",
+        # The demo's pairs as a file: the same batches, and no evaluation to compile.
+        "--data",
+        os.path.join(CACHE, "demo-train.jsonl"),
     )
     compiled = read_metrics(run(tmp_path, "compiled", *args))
     # Dynamo captured the blocks' forward as graphs, and AOT autograd compiled their backward.
