@@ -41,7 +41,7 @@ _FLAGS = tyro.conf.OmitArgPrefixes
 # ------------------------------------------------------------------------------------------ config
 @dataclass
 class Config:
-    """DPO, 15 more preference losses, SFT and LoRA on 1 to N GPUs with FSDP2 mixed precision.
+    """DPO, 14 more preference losses, SFT and LoRA on 1 to N GPUs with FSDP2 mixed precision.
 
     python train_dpo.py  # the built-in demo: an SFT stage, then DPO; a CPU is fine
 
