@@ -263,8 +263,9 @@ class _TokenLogps(torch.autograd.Function):
         """x: (M, V) logits or (N, H) hidden states; index: (N,) or None, None with weight;
         targets: (N,); weight: (V, H) or None; squares: bool."""
         n = len(targets)
-        vocab = x.shape[-1] if weight is None else len(weight)
-        chunk = _chunk_rows(vocab, x.device, matmul=weight is not None)
+        chunk = _chunk_rows(
+            x.shape[-1] if weight is None else len(weight), x.device, matmul=weight is not None
+        )
         out = torch.empty(2 * n if squares else n, dtype=torch.float32, device=x.device)
         lse = torch.empty(n, dtype=torch.float32, device=x.device)
         for i in range(0, n, chunk):

@@ -153,8 +153,8 @@ def _keep_gathered(model, device: torch.device) -> list:
     if not hasattr(model, "set_reshard_after_forward"):
         return []
     if device.type == "cuda":
-        dtype = model._get_fsdp_state()._mp_policy.param_dtype
-        gathered = sum(p.numel() * (dtype or p.dtype).itemsize for p in model.parameters())
+        dtype = model._get_fsdp_state()._mp_policy.param_dtype or torch.float32
+        gathered = sum(p.numel() for p in model.parameters()) * dtype.itemsize
         # What this process can still allocate: free, or cached and unused.
         room = (
             torch.cuda.mem_get_info(device)[0]
@@ -162,7 +162,11 @@ def _keep_gathered(model, device: torch.device) -> list:
             - torch.cuda.memory_allocated(device)
         )
         # A quarter stays for the KV cache, activations and logits; past that, per token as before.
-        if gathered > 0.75 * room:
+        # Every rank decides alike: one keeping its blocks gathered would skip the all-gathers that
+        # the others wait in.
+        fits = torch.tensor(float(gathered <= 0.75 * room), device=device)
+        dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+        if not fits.item():
             return []
     # The root settles its own setting (kept gathered, unless asked) at its first forward: settled
     # before it is saved, so that training gets what it would have had.
