@@ -113,14 +113,16 @@ class Checkpointer:
         dist.barrier()
         # A shared file system may show another node rank 0's new folder late.
         os.makedirs(tmp, exist_ok=True)
-        rng = {
-            "torch": torch.get_rng_state(),
-            "python": random.getstate(),
-            # The current GPU's generator (the parameters may be offloaded); a CPU run, which
-            # never starts CUDA, does not start it here.
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
-        }
-        torch.save(rng, os.path.join(tmp, f"rng-rank{rank}.pt"))
+        torch.save(
+            {
+                "torch": torch.get_rng_state(),
+                "python": random.getstate(),
+                # The current GPU's generator (the parameters may be offloaded); a CPU run, which
+                # never starts CUDA, does not start it here.
+                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
+            },
+            os.path.join(tmp, f"rng-rank{rank}.pt"),
+        )
         trained = _trained_state(model, optimizer, reference)
         if not self.background:
             dcp.save(trained, checkpoint_id=tmp)
@@ -146,21 +148,21 @@ class Checkpointer:
             )
         # The write ends in a gather: rank 0's future is done once every rank's shards and RNG
         # file are on disk.
-        future = dcp.async_save(
-            trained, checkpoint_id=tmp, process_group=self._group, async_stager=self._stager
+        self._write = (
+            dcp.async_save(
+                trained, checkpoint_id=tmp, process_group=self._group, async_stager=self._stager
+            ),
+            path,
         )
-        self._write = (future, path)
         return path
 
     def finish(self, wait: bool = True) -> None:
         """Complete a background save: wait for its write (wait=False: only if it is done already)
         and let rank 0 move `latest` to it. A failed write raises here. No collective: safe to call
         on any one rank."""
-        if self._write is None:
+        if self._write is None or not (wait or self._write[0].done()):
             return
         future, path = self._write
-        if not (wait or future.done()):
-            return
         self._write = None
         future.result()
         self._publish(path)
@@ -283,9 +285,7 @@ def check_same_run(saved: dict, current: dict, fixed: dict[str, str]) -> None:
 
 def _short(value) -> str:
     # A hash: its start is enough to tell two apart.
-    if isinstance(value, str) and len(value) > 40:
-        return f"{value[:12]}..."
-    return repr(value)
+    return f"{value[:12]}..." if isinstance(value, str) and len(value) > 40 else repr(value)
 
 
 def _leaves(config: dict) -> dict:

@@ -117,7 +117,6 @@ def read_rows(spec: str) -> list[dict]:
                 f"{where}: expected an object with fields chosen, rejected (and prompt); got "
                 f"{type(row).__name__}"
             )
-        kinds = {}
         for field in ("prompt", "chosen", "rejected"):
             value = row.get(field)
             if value is None and field != "prompt":
@@ -132,14 +131,16 @@ def read_rows(spec: str) -> list[dict]:
                             f"{where}: field '{field}' message {i}: expected {{\"role\": str, "
                             f'"content": str}}, got {json.dumps(m)[:80]}'
                         )
-                kinds[field] = "conversational"
-            elif isinstance(value, str):
-                kinds[field] = "standard"
-            elif value is not None:
+            elif value is not None and not isinstance(value, str):
                 raise DataError(
                     f"{where}: field '{field}' must be a string or a list of messages, got "
                     f"{type(value).__name__}"
                 )
+        kinds = {
+            field: "conversational" if isinstance(row[field], list) else "standard"
+            for field in ("prompt", "chosen", "rejected")
+            if row.get(field) is not None
+        }
         if list(kinds.values()) == ["standard", "conversational", "conversational"]:
             # ultrafeedback_binarized's shape: the responses begin with the string prompt as a user
             # turn. As in the implicit shape, their shared first messages are the prompt.
@@ -235,10 +236,9 @@ def _read_source(spec: str) -> list[tuple[str, object]]:
         if text.startswith("]", i):
             break
         if not text.startswith(",", i):
-            found = repr(text[i]) if i < len(text) else "the end of the file"
             raise DataError(
                 f"{spec}:{_line(text, i)}: invalid JSON (expected ',' or ']' after an element, "
-                f"found {found})"
+                f"found {repr(text[i]) if i < len(text) else 'the end of the file'})"
             )
         i = _SPACE.match(text, i + 1).end()
     i = _SPACE.match(text, i + 1).end()
@@ -311,8 +311,10 @@ def _render(row: dict, tokenizer) -> tuple[str, str, str]:
 def _implicit_prompt(chosen: str | list, rejected: str | list, tokenizer, where: str) -> str | list:
     # Message lists: the longest common run of messages.
     if isinstance(chosen, list):
-        differ = (i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b)
-        n = next(differ, min(len(chosen), len(rejected)))
+        n = next(
+            (i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b),
+            min(len(chosen), len(rejected)),
+        )
         if n == 0:
             raise DataError(
                 f"{where}: fields 'chosen' and 'rejected' share no first message to use as the "
@@ -320,16 +322,14 @@ def _implicit_prompt(chosen: str | list, rejected: str | list, tokenizer, where:
             )
         return chosen[:n]
     shared = os.path.commonprefix([chosen, rejected])
-    turn = shared.rfind(_HH_MARKER)
-    if turn >= 0:
-        return shared[: turn + len(_HH_MARKER)]
+    if _HH_MARKER in shared:
+        return shared[: shared.rfind(_HH_MARKER) + len(_HH_MARKER)]
     chosen_ids, rejected_ids = tokenizer([chosen, rejected], add_special_tokens=False)["input_ids"]
     # Back off until the prefix's tokens begin both texts' tokens.
-    while shared:
-        ids = tokenizer(shared, add_special_tokens=False)["input_ids"]
+    for end in range(len(shared), 0, -1):
+        ids = tokenizer(shared[:end], add_special_tokens=False)["input_ids"]
         if chosen_ids[: len(ids)] == ids and rejected_ids[: len(ids)] == ids:
-            return shared
-        shared = shared[:-1]
+            return shared[:end]
     raise DataError(f"{where}: fields 'chosen' and 'rejected' share no prefix to use as the prompt")
 
 
@@ -378,8 +378,9 @@ def tokenize_pairs(
         ),
         0,
     )
-    # Each chunk's ids, each kept pair's three lengths, and lengths before truncation.
-    done = []
+    # Each chunk's ids (after an empty tensor, so that no rows still concatenate), each kept pair's
+    # three lengths, and lengths before truncation.
+    done = [torch.zeros(0, dtype=torch.int32)]
     lengths = []
     raw = {"prompt": [], "response": [], "pair": []}
     for s in range(0, len(rows), _CHUNK):
@@ -399,16 +400,21 @@ def tokenize_pairs(
                     f"{row['where']}: field 'prompt' is empty and the tokenizer adds no BOS, so "
                     "the response's first token would have nothing to follow"
                 )
-            chosen = _response_ids(prompts[j], c, fulls[2 * j], tokenizer, counts)
-            rejected = _response_ids(prompts[j], r, fulls[2 * j + 1], tokenizer, counts)
-            pair = _truncate(prompt, chosen, rejected, prefix, config, counts, raw)
+            pair = _truncate(
+                prompt,
+                _response_ids(prompts[j], c, fulls[2 * j], tokenizer, counts),
+                _response_ids(prompts[j], r, fulls[2 * j + 1], tokenizer, counts),
+                prefix,
+                config,
+                counts,
+                raw,
+            )
             if pair:
                 flat += pair[0] + pair[1] + pair[2]
                 lengths.append(tuple(map(len, pair)))
         # As int32: Python ints would take several times the memory.
         done.append(torch.tensor(flat, dtype=torch.int32))
-    ids = torch.cat(done) if done else torch.zeros(0, dtype=torch.int32)
-    tokens = PairTokens(ids, torch.tensor(lengths, dtype=torch.long).view(-1, 3))
+    tokens = PairTokens(torch.cat(done), torch.tensor(lengths, dtype=torch.long).view(-1, 3))
     return tokens, {
         "pairs": len(tokens),
         "dropped": counts["dropped_empty"] + counts["dropped_identical"],
@@ -427,12 +433,11 @@ def _response_ids(
     else:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         counts["retokenized"] += 1
-    eos = tokenizer.eos_token_id
-    if eos in ids:
-        last = len(ids) - 1 - ids[::-1].index(eos)
+    if tokenizer.eos_token_id in ids:
+        last = len(ids) - 1 - ids[::-1].index(tokenizer.eos_token_id)
         if not tokenizer.decode(ids[last + 1 :]).strip():
             return ids[: last + 1]
-    return ids + [eos]
+    return ids + [tokenizer.eos_token_id]
 
 
 def _truncate(
@@ -472,28 +477,27 @@ def _truncate(
         return None
     # A pair over max_length always loses prompt or response tokens.
     counts["truncated"] += 1
-    if cut_prompt:
-        counts["truncated_prompts"] += 1
-    if longest > room:
-        counts["truncated_responses"] += 1
+    counts["truncated_prompts"] += int(cut_prompt)
+    counts["truncated_responses"] += int(longest > room)
     return prompt, chosen[:room], rejected[:room]
 
 
 def _leading_special_ids(tokenizer) -> list[int]:
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
     full = tokenizer("a", add_special_tokens=True)["input_ids"]
-    for i in range(len(full) - len(plain) + 1):
-        if full[i : i + len(plain)] == plain:
-            return full[:i]
-    return []
+    return next(
+        (full[:i] for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain),
+        [],
+    )
 
 
 def _percentiles(values: list[int]) -> dict:
-    if not values:
-        return {}
     ordered = sorted(values)
+    # No values, no percentiles.
     return {
-        f"p{q}": ordered[min(len(ordered) - 1, len(ordered) * q // 100)] for q in (50, 90, 99, 100)
+        f"p{q}": ordered[min(len(ordered) - 1, len(ordered) * q // 100)]
+        for q in (50, 90, 99, 100)
+        if ordered
     }
 
 
@@ -525,8 +529,9 @@ def tokenize_to_cache(config: DataConfig, tokenizer, progress=None) -> str:
     eval_rows = [row for spec in config.eval_data for row in read_rows(spec)]
     if config.eval_fraction:
         # Held out by a fixed shuffle, the same whatever --seed.
-        count = round(config.eval_fraction * len(rows))
-        held = set(random.Random(0).sample(range(len(rows)), count))
+        held = set(
+            random.Random(0).sample(range(len(rows)), round(config.eval_fraction * len(rows)))
+        )
         eval_rows = [r for i, r in enumerate(rows) if i in held]
         rows = [r for i, r in enumerate(rows) if i not in held]
     train, train_summary = tokenize_pairs(rows, tokenizer, config, progress)
@@ -618,15 +623,18 @@ def load_tokenizer(name: str, chat_template: str | None = None):
             raise ValueError(
                 f"--model {name}: cannot load ({str(e).strip().splitlines()[0]})"
             ) from None
-    if chat_template in _CHAT_TEMPLATES:
-        tokenizer.chat_template = _CHAT_TEMPLATES[chat_template]
-    elif chat_template and not os.path.isfile(chat_template):
+    if chat_template and chat_template not in _CHAT_TEMPLATES and not os.path.isfile(chat_template):
         raise ValueError(
             f"--chat-template {chat_template}: no such file, and not a template this project "
             f"ships ({', '.join(_CHAT_TEMPLATES)})"
         )
-    elif chat_template:
-        tokenizer.chat_template = Path(chat_template).read_text(encoding="utf-8")
+    if chat_template:
+        # A shipped template's name wins over a file of that name.
+        tokenizer.chat_template = (
+            _CHAT_TEMPLATES[chat_template]
+            if chat_template in _CHAT_TEMPLATES
+            else Path(chat_template).read_text(encoding="utf-8")
+        )
     return tokenizer
 
 
@@ -661,8 +669,9 @@ def inspect(argv: list[str] | None = None) -> None:
             chat_template=args.chat_template,
         )
         tokenizer = load_tokenizer(args.model, args.chat_template)
-        rows = [row for spec in config.data for row in read_rows(spec)]
-        tokens, summary = tokenize_pairs(rows, tokenizer, config)
+        tokens, summary = tokenize_pairs(
+            [row for spec in config.data for row in read_rows(spec)], tokenizer, config
+        )
     except (ValueError, OSError) as e:
         parser.exit(2, f"error: {e}\n")
     for i in range(min(args.show, len(tokens))):

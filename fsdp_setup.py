@@ -105,7 +105,6 @@ def init_distributed(
     if cuda and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible to this process")
     device = torch.device("cuda", _local_gpu()) if cuda else torch.device("cpu")
-    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
     if cuda:
         # Before the first allocation: segments grow in place instead of fragmenting under varying
         # batch shapes.
@@ -120,24 +119,22 @@ def init_distributed(
         # Read by cuBLAS when CUDA starts: a fixed workspace makes its reductions repeatable.
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     torch.use_deterministic_algorithms(deterministic)
-    device_id = device if cuda else None
     # Under torchrun: keys of its own in the store, not an earlier group's in this process (main()
     # may run again). Alone: a HashStore needs no free port, so two single-process runs on one
     # machine never collide.
     if "RANK" in os.environ:
         store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
-        dist.init_process_group(
-            backend,
-            store=dist.PrefixStore(f"dpo/{next(_groups)}", store),
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=timeout_s),
-            device_id=device_id,
-        )
+        group = {
+            "store": dist.PrefixStore(f"dpo/{next(_groups)}", store),
+            "rank": rank,
+            "world_size": world,
+            "timeout": timedelta(seconds=timeout_s),
+        }
     else:
-        dist.init_process_group(
-            backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id
-        )
+        group = {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl" if cuda else "gloo", device_id=device if cuda else None, **group
+    )
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -226,8 +223,8 @@ def build_sharded(
     frozen: bool = False,
 ) -> nn.Module:
     """make_model() (parameters on the meta device), checkpointed (unless frozen: a reference) and
-    compiled as `config` asks, sharded, each rank's shards read from `weights`. Never-changing
-    weights (frozen, LoRA's base) get no float32 master."""
+    compiled as `config` asks, sharded (apply_fsdp), each rank's shards read from `weights`.
+    Never-changing weights (frozen, LoRA's base) get no float32 master."""
     if config.unsharded_grad_accumulation and mp_policy.reduce_dtype == torch.bfloat16:
         raise ValueError(
             "--unsharded-grad-accumulation sums micro-batch gradients in bf16: use --reduce-dtype "
@@ -239,10 +236,9 @@ def build_sharded(
             "bf16"
         )
     model = make_model()
-    if mp_policy.param_dtype is not None:
-        for param in model.parameters():
-            if frozen or not param.requires_grad:
-                param.data = param.data.to(mp_policy.param_dtype)
+    for param in model.parameters():
+        if mp_policy.param_dtype is not None and (frozen or not param.requires_grad):
+            param.data = param.data.to(mp_policy.param_dtype)
     if config.activation_checkpointing and not frozen:
         apply_ac(model)
     if config.compile:
@@ -365,9 +361,8 @@ def _local_rows(param: torch.Tensor) -> slice:
     if not shard:
         return slice(None)
     rows = param.shape[0]
-    mesh = param.device_mesh
-    per_rank = -(-rows // mesh.size(shard[0]))
-    start = min(mesh.get_local_rank(shard[0]) * per_rank, rows)
+    per_rank = -(-rows // param.device_mesh.size(shard[0]))
+    start = min(param.device_mesh.get_local_rank(shard[0]) * per_rank, rows)
     return slice(start, min(start + per_rank, rows))
 
 
@@ -417,9 +412,12 @@ def _full_tensor(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if not isinstance(tensor, DTensor):
         return tensor.detach().to(device)
     # Offloaded shards are gathered on the device, where nccl can.
-    local = tensor.to_local().detach().to(device)
     return DTensor.from_local(
-        local, tensor.device_mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride()
+        tensor.to_local().detach().to(device),
+        tensor.device_mesh,
+        tensor.placements,
+        shape=tensor.shape,
+        stride=tensor.stride(),
     ).full_tensor()
 
 

@@ -101,16 +101,17 @@ def add_adapters(
                 module.reset_lora_parameters("default", True)
     if isinstance(model.get_output_embeddings(), peft.tuners.lora.LoraLayer):
         raise ValueError("--lora-targets: the output layer takes no adapters here")
-    if config.export_merged:
-        # merged_entries folds adapters into linear layers only: refused now, not at the export.
-        for name, module in model.named_modules():
-            if isinstance(module, peft.tuners.lora.LoraLayer) and not isinstance(
-                module, peft.tuners.lora.Linear
-            ):
-                raise ValueError(
-                    "--export-merged merges adapters on linear layers only; "
-                    f"{name.removeprefix('base_model.model.')} is a {type(module).__name__}"
-                )
+    # merged_entries folds adapters into linear layers only: refused now, not at the export.
+    for name, module in model.named_modules():
+        if (
+            config.export_merged
+            and isinstance(module, peft.tuners.lora.LoraLayer)
+            and not isinstance(module, peft.tuners.lora.Linear)
+        ):
+            raise ValueError(
+                "--export-merged merges adapters on linear layers only; "
+                f"{name.removeprefix('base_model.model.')} is a {type(module).__name__}"
+            )
     return model
 
 
@@ -207,9 +208,10 @@ def _merged_weight(layer: nn.Module, prefix: str, fetches: dict) -> torch.Tensor
     a = fetches[f"{prefix}.lora_A.default.weight"]()
     b = fetches[f"{prefix}.lora_B.default.weight"]()
     delta = layer.scaling["default"] * (b.float() @ a.float())  # (out, in)
-    if layer.fan_in_fan_out:
-        delta = delta.T
-    return fetches[f"{prefix}.base_layer.weight"]().float() + delta
+    # fan_in_fan_out: the layer holds its weight as (in, out).
+    return fetches[f"{prefix}.base_layer.weight"]().float() + (
+        delta.T if layer.fan_in_fan_out else delta
+    )
 
 
 def save_adapters(

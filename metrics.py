@@ -59,8 +59,11 @@ def pair_stats(out: dict) -> torch.Tensor:
 def pair_means(sums: torch.Tensor, count: float, pairwise: bool = True) -> dict:
     """{metric: sum / count} of PAIR_METRICS; SFT (pairwise=False) runs no rejected rows: only loss
     and logps/chosen."""
-    keys = PAIR_METRICS if pairwise else ("loss", "logps/chosen")
-    return {k: v / count for k, v in zip(PAIR_METRICS, sums.tolist()) if k in keys}
+    return {
+        k: v / count
+        for k, v in zip(PAIR_METRICS, sums.tolist())
+        if pairwise or k in ("loss", "logps/chosen")
+    }
 
 
 class StepSums:
@@ -86,9 +89,13 @@ class StepSums:
     def totals(self, pairs: int, pairwise: bool = True) -> dict:
         """StepStats' "means" of PAIR_METRICS over `pairs` pairs (see pair_means), "tokens",
         "token_slots" and "flops"."""
-        means = pair_means(self._sums[: len(PAIR_METRICS)], pairs, pairwise)
         tokens, slots, flops = self._sums[len(PAIR_METRICS) :].tolist()
-        return {"means": means, "tokens": tokens, "token_slots": slots, "flops": flops}
+        return {
+            "means": pair_means(self._sums[: len(PAIR_METRICS)], pairs, pairwise),
+            "tokens": tokens,
+            "token_slots": slots,
+            "flops": flops,
+        }
 
 
 @dataclass
@@ -162,8 +169,11 @@ def flop_coefficients(model) -> tuple[float, float, float]:
         p.numel() // p.shape[0] * c.num_experts_per_tok for p in model.parameters() if p.dim() == 3
     )
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    width = c.num_attention_heads * head_dim
-    return 2.0 * linear, 4.0 * c.num_hidden_layers * width, 2.0 * head.numel()
+    return (
+        2.0 * linear,
+        4.0 * c.num_hidden_layers * c.num_attention_heads * head_dim,
+        2.0 * head.numel(),
+    )
 
 
 def forward_flops(
@@ -187,9 +197,12 @@ def batch_counts(
     flops = passes * forward_flops(coefficients, rows, length, len(ran.score_index))
     if reference:
         flops += forward_flops(coefficients, *batch.input_ids.shape, len(batch.score_index))
-    slots = torch.full((), float(rows * length), device=batch.input_ids.device)
     return torch.stack(
-        [ran.attention_mask.sum().float(), slots, torch.full((), flops, device=slots.device)]
+        [
+            ran.attention_mask.sum().float(),
+            torch.full((), float(rows * length), device=batch.input_ids.device),
+            torch.full((), flops, device=batch.input_ids.device),
+        ]
     )
 
 
@@ -233,10 +246,14 @@ def group_peak_flops(device: torch.device, precision: str) -> float | None:
 
 def device_peak_flops(name: str, precision: str) -> float | None:
     """One GPU's dense peak FLOP/s in `precision`, by the fragment of `name` it matches first."""
-    for fragment, (half, single) in _PEAK_FLOPS.items():
-        if fragment in name:
-            return single if precision == "fp32" else half
-    return None
+    return next(
+        (
+            single if precision == "fp32" else half
+            for fragment, (half, single) in _PEAK_FLOPS.items()
+            if fragment in name
+        ),
+        None,
+    )
 
 
 def _rank0() -> bool:
@@ -247,13 +264,13 @@ def sharded_line(model) -> str:
     params = list(model.parameters())
     total = sum(p.numel() for p in params)
     trained = sum(p.numel() for p in params if p.requires_grad)
-    line = f"{total / 1e6:.1f}M params"
-    if trained < total:
-        line += f" ({trained / 1e6:.2f}M trained)"
+    trained_part = f" ({trained / 1e6:.2f}M trained)" if trained < total else ""
     mesh = params[0].device_mesh.shape  # (ranks,), or HSDP's (replicas, shards)
     hsdp = f" as {mesh[0]} replicas x {mesh[1]} shards (HSDP)" if len(mesh) == 2 else ""
-    where = f"on {params[0].device} ({dist.get_backend()})"
-    return f"{line}, {dist.get_world_size()} rank(s){hsdp} {where}"
+    return (
+        f"{total / 1e6:.1f}M params{trained_part}, {dist.get_world_size()} rank(s){hsdp} "
+        f"on {params[0].device} ({dist.get_backend()})"
+    )
 
 
 def say(msg: str) -> None:
@@ -317,8 +334,7 @@ def plot_metrics(jsonl_path: str, png_path: str) -> bool:
         from matplotlib.figure import Figure  # no pyplot: no global backend or state is touched
     except ImportError:
         return False
-    with open(jsonl_path) as f:
-        rows = [json.loads(line) for line in f]
+    rows = [json.loads(line) for line in pathlib.Path(jsonl_path).read_text().splitlines()]
     fig = Figure(figsize=(15, 4))  # fixed margins: a layout engine would draw the figure twice
     fig.subplots_adjust(left=0.055, right=0.98, bottom=0.12, top=0.93, wspace=0.2)
     for ax, key in zip(fig.subplots(1, 3), ("loss", "rewards/accuracies", "rewards/margins")):
@@ -340,12 +356,12 @@ class RunLog:
     def __init__(self, out_dir: str, resume_step: int, samples: bool):
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, "metrics.jsonl")
-        self.metrics = None
-        self.samples = None
-        if _rank0():
-            self.metrics = open_log(self.path, resume_step)
-        if _rank0() and samples:
-            self.samples = open_log(os.path.join(out_dir, "samples.jsonl"), resume_step)
+        self.metrics = open_log(self.path, resume_step) if _rank0() else None
+        self.samples = (
+            open_log(os.path.join(out_dir, "samples.jsonl"), resume_step)
+            if _rank0() and samples
+            else None
+        )
         # An open_wandb run on rank 0, opened by the caller, where a failure reaches every rank.
         self.wandb = None
 

@@ -130,8 +130,9 @@ def open_weights(name: str, config, seed: int) -> dict[str, torch.Tensor]:
     random init from `seed`."""
     if name == "tiny":
         torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        return model.state_dict()
+        return transformers.AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32
+        ).state_dict()
     # Under the files' names: transformers may rename or fuse them for the model.
     weights = {}
     for path in find_weights(name):
@@ -255,9 +256,11 @@ def save_pretrained(folder: str, model: torch.nn.Module, entries: list, dtype: t
     model.generation_config.save_pretrained(folder)
     weight_map = {}
     for i, in_file in enumerate(files):
-        file = "model.safetensors"
-        if len(files) > 1:
-            file = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        file = (
+            f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+            if len(files) > 1
+            else "model.safetensors"
+        )
         header = {"__metadata__": {"format": "pt"}}
         offset = 0
         for _, saved in in_file:
@@ -324,9 +327,12 @@ def model_identity(name: str, config, seed: int) -> dict:
     folder = os.path.expanduser(name)
     # A hub id has no folder here: its commit says it all.
     names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-    files = [
-        (f, os.path.getsize(os.path.join(folder, f)), os.path.getmtime(os.path.join(folder, f)))
-        for f in names
-        if f.endswith((".safetensors", ".bin"))
-    ]
-    return {"name": name, "commit": getattr(config, "_commit_hash", None), "files": files}
+    return {
+        "name": name,
+        "commit": getattr(config, "_commit_hash", None),
+        "files": [
+            (f, os.path.getsize(os.path.join(folder, f)), os.path.getmtime(os.path.join(folder, f)))
+            for f in names
+            if f.endswith((".safetensors", ".bin"))
+        ],
+    }

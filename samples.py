@@ -142,8 +142,11 @@ def generate(
     for group, setting in kept:
         group.post_forward_mesh_info = setting
         group.reshard()
-    rows = torch.stack(out, dim=1).tolist()  # (B, new tokens)
-    return [row[: row.index(eos_id)] if eos_id in row else row for row in rows]
+    # Each row of (B, new tokens) cut at its EOS.
+    return [
+        row[: row.index(eos_id)] if eos_id in row else row
+        for row in torch.stack(out, dim=1).tolist()
+    ]
 
 
 def _keep_gathered(model, device: torch.device) -> list:
