@@ -83,6 +83,24 @@ _AVERAGED = {"simpo", "dpo_norm"}
 _F_DIVERGENCE = {"dpo", "dpo_norm", "ipo", "hinge", "robust", "exo_pair", "discopop", "sft"}
 # Model config fields that reshape the logits after the output layer: its result must stay logits.
 _LOGIT_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+# Models whose attention takes a shared prompt's mask and positions exactly, each checked against
+# separate rows by test_dpo.py: rotary (Llama, Mistral, Qwen, Gemma, GPT-NeoX) or learned (GPT-2)
+# positions from position_ids, and per-layer masks where layers differ (Gemma 2's sliding windows,
+# which soft-capping then runs in eager attention). Attention implementations that take the mask:
+# boolean for SDPA, additive for eager, a block mask for FlexAttention.
+SHARED_PROMPT_MODELS = (
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "gemma",
+    "gemma2",
+    "gpt2",
+    "gpt_neox",
+)
+_SHARED_PROMPT_ATTENTION = ("sdpa", "eager", "flex_attention")
 
 
 @dataclass
@@ -420,7 +438,7 @@ def response_logps(model, batch, ld_alpha: float | None = None, weighting: bool 
             f"{type(head).__name__} is not a ScoredHead: call loss.add_scored_head(model) first"
         )
     with head.scoring(batch.score_index, batch.score_targets, weighting) as scored:
-        output = model(input_ids=batch.input_ids, use_cache=False)
+        output = model(input_ids=batch.input_ids, use_cache=False, **_shared_prompt(model, batch))
     # Fused, the head scored the tokens itself; unfused, the model's logits are the (N, V) of the
     # scored positions, as the model made them.
     # (N,) log-probs; with weighting (2N,), the squares after them.
@@ -445,6 +463,60 @@ def response_logps(model, batch, ld_alpha: float | None = None, weighting: bool 
     aligned = (values[:n] - values[n:]).detach()
     log_weights = torch.segment_reduce(aligned, "sum", lengths=lengths, unsafe=True, initial=0)
     return sums, log_weights / lengths.clamp(min=1)
+
+
+def takes_shared_prompt(config) -> bool:
+    """Whether a Hugging Face model config (of a built model: its attention implementation is set)
+    scores shared-prompt rows exactly (SHARED_PROMPT_MODELS)."""
+    return (
+        config.model_type in SHARED_PROMPT_MODELS
+        and config._attn_implementation in _SHARED_PROMPT_ATTENTION
+    )
+
+
+def _shared_prompt(model, batch) -> dict:
+    """The position_ids and attention mask of a batches.PairBatch of shared rows; {} for separate
+    rows (causal: no mask)."""
+    if batch.position_ids is None:
+        return {}
+    kinds = getattr(model.config, "layer_types", None)
+    # Models whose layers differ (Gemma 2's sliding and full ones) take a mask per kind of layer.
+    masks = {kind: _mask(model.config, batch, kind) for kind in set(kinds or ["every"])}
+    return {
+        "position_ids": batch.position_ids,
+        "attention_mask": masks if kinds else masks["every"],
+    }
+
+
+def _mask(config, batch, kind: str):
+    """The attention mask of shared rows for layers of `kind` (config.layer_types', or "every"), in
+    the form the model's attention takes: a token sees the earlier tokens of the prompt and of its
+    own segment, and on sliding-window layers only those fewer than config.sliding_window positions
+    back. (B, 1, T, T) boolean for SDPA, additive float for eager; for FlexAttention a block mask,
+    which skips the blocks masked whole."""
+    segments = batch.segment_ids
+    positions = batch.position_ids
+    rows, length = segments.shape
+    window = None
+    if kind in ("every", "sliding_attention"):
+        window = getattr(config, "sliding_window", None)
+
+    def seen(b, h, q, k):
+        visible = (k <= q) & ((segments[b, k] == 0) | (segments[b, k] == segments[b, q]))
+        if window:
+            visible = visible & (positions[b, q] - positions[b, k] < window)
+        return visible
+
+    if config._attn_implementation == "flex_attention":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        return create_block_mask(seen, rows, None, length, length, device=segments.device)
+    at = torch.arange(length, device=segments.device)
+    mask = seen(torch.arange(rows, device=at.device)[:, None, None], None, at[:, None], at)
+    if config._attn_implementation == "eager":
+        # Eager attention adds the mask to the scores.
+        return torch.zeros(mask.shape, device=at.device).masked_fill_(~mask, -torch.inf)[:, None]
+    return mask[:, None]  # (B, 1, T, T)
 
 
 def pair_logps(

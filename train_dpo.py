@@ -143,6 +143,7 @@ _SAME_RUN = {
         "max_prompt_length",
         "truncation",
         "group_by_length",
+        "share_prompt",
         "lora_rank",
         "lora_alpha",
         "lora_targets",
@@ -268,12 +269,11 @@ def train_step(
     # sft's NLL is a token mean over the global batch: each pair's share is over its mean length.
     tokens_per_pair = run.train.mean_chosen(batch) if "sft" in cfg.objective.loss else None
     micro_size = cfg.batching.micro_batch_size
-    # Model FLOPs per batch: the policy runs forward and backward, 3 forwards' worth, or 2 with
-    # LoRA, whose frozen weights get no gradient.
-    passes = 2 if cfg.lora.lora_rank else 3
     sums = metrics.StepSums(run.device)
 
-    micro_batches = batches.micro_batches(run.train, mine, micro_size, run.pad_id, run.device)
+    micro_batches = batches.micro_batches(
+        run.train, mine, micro_size, run.pad_id, run.device, cfg.batching.share_prompt
+    )
     for i, (idx, pairs) in enumerate(micro_batches):
         # By default each micro-batch's gradient is reduce-scattered at once, so that no rank holds
         # a full gradient.
@@ -288,7 +288,9 @@ def train_step(
             metrics.batch_counts(
                 run.flop_coefficients,
                 cfg.objective.pairwise,
-                passes,
+                # The policy's forward and backward are 3 forwards' worth of FLOPs, or 2 with LoRA,
+                # whose frozen weights get no gradient.
+                2 if cfg.lora.lora_rank else 3,
                 run.reference is not None,
                 pairs,
             ),
@@ -373,6 +375,7 @@ def evaluate_and_sample(run: "Run", log: metrics.RunLog, step: int, t0: float) -
             run.cfg.batching.micro_batch_size,
             run.pad_id,
             run.device,
+            run.cfg.batching.share_prompt,
         )
         completions = samples.sample_completions(
             run.policy,
@@ -429,7 +432,6 @@ def setup(cfg: Config, device: torch.device) -> tuple[Run, torch.optim.Optimizer
     precompute the reference's log-probs; then AdamW over the float32 master weights that train, as
     saved when resuming. Raises ValueError, naming the flag or the file, for anything the user must
     fix."""
-    cfg.batching = cfg.batching.resolve(dist.get_world_size())
     mixed = precision.resolve_precision(cfg.mixed_precision, device)
     if mixed.warning:
         metrics.say(f"warning: {mixed.warning}")
@@ -437,6 +439,17 @@ def setup(cfg: Config, device: torch.device) -> tuple[Run, torch.optim.Optimizer
     model_config = models.load_model_config(cfg.model, tokenizer, cfg.dataset.max_length)
     # A bad --lora-targets (or --export-merged) fails here, before any weights are read.
     probe = prepare_model(cfg, models.build_model(model_config))
+    shares = loss.takes_shared_prompt(probe.config)
+    if cfg.batching.share_prompt and not shares:
+        metrics.say(
+            f"note: {model_config.model_type} with {probe.config._attn_implementation} attention "
+            "is not known to score a shared prompt exactly: separate rows (--no-share-prompt)"
+        )
+    # SFT alone runs no rejected responses to share a prompt with.
+    cfg.batching = cfg.batching.resolve(dist.get_world_size(), shares and cfg.objective.pairwise)
+    if cfg.batching.share_prompt and device.type == "cuda" and probe._supports_flex_attn:
+        # FlexAttention's block mask skips the blocks masked whole; SDPA, the fallback, runs them.
+        model_config._attn_implementation = "flex_attention"
     # The demo's files are data like any other, written once by rank 0.
     dataset, is_demo = fsdp_setup.on_rank0(demo.demo_config, cfg.dataset, data.write_jsonl)
     train_pairs, eval_pairs, summary = data.load_tokens(
@@ -478,7 +491,6 @@ def setup(cfg: Config, device: torch.device) -> tuple[Run, torch.optim.Optimizer
             make, weights, mixed.mp_policy, device, cfg.fsdp, frozen=True
         )
     del weights
-    start_step = saved["step"] if saved else 0
     run = Run(
         cfg=cfg,
         device=device,
@@ -489,7 +501,7 @@ def setup(cfg: Config, device: torch.device) -> tuple[Run, torch.optim.Optimizer
         data=summary,
         demo=[] if is_demo else None,
         steps=steps,
-        start_step=start_step,
+        start_step=saved["step"] if saved else 0,
         pad_id=tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id,
         policy=policy,
         reference=reference,
@@ -517,12 +529,14 @@ def setup(cfg: Config, device: torch.device) -> tuple[Run, torch.optim.Optimizer
             reference if cfg.objective.sync_ref_model else None,
             mixed.scaler,
         )
-        note = (
-            ""
-            if rngs
-            else f" (saved on {saved['world_size']} ranks: random generators not restored)"
+        metrics.say(
+            f"resumed from {saved['path']} at step {run.start_step}"
+            + (
+                ""
+                if rngs
+                else f" (saved on {saved['world_size']} ranks: random generators not restored)"
+            )
         )
-        metrics.say(f"resumed from {saved['path']} at step {start_step}{note}")
     return run, optimizer
 
 
@@ -568,7 +582,13 @@ def load_or_precompute_ref(run: Run, model_config) -> dict[str, torch.Tensor]:
     with fsdp_setup.inference(run.policy):
         tables = {
             split: batches.pair_table(
-                pairs, 2, chosen_rejected, run.cfg.batching.micro_batch_size, run.pad_id, run.device
+                pairs,
+                2,
+                chosen_rejected,
+                run.cfg.batching.micro_batch_size,
+                run.pad_id,
+                run.device,
+                run.cfg.batching.share_prompt,
             )
             for split, pairs in (("train", run.train), ("eval", run.eval))
         }
@@ -630,14 +650,11 @@ def export_final(run: Run, log: metrics.RunLog) -> None:
     entries = fsdp_setup.full_tensors(run.policy, run.device)
     if run.cfg.lora.lora_rank and not run.cfg.lora.export_merged:
         # The adapters alone. The tiny base is a function of --seed: no name to give.
-        adapters = {
-            k: fetch().to("cpu", dtype) for k, tensor, fetch in entries if tensor.requires_grad
-        }
         fsdp_setup.on_rank0(
             lora.save_adapters,
             run.policy,
             final,
-            adapters,
+            {k: fetch().to("cpu", dtype) for k, tensor, fetch in entries if tensor.requires_grad},
             None if run.cfg.model == "tiny" else run.cfg.model,
             share=False,
         )

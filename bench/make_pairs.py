@@ -4,6 +4,10 @@ usage: python bench/make_pairs.py OUT.jsonl KIND
     gpu    4,096 pairs of about 900 byte-tokens (prompt ~100-400, responses ~60-400): the 1B GPU
            bench
     long   256 pairs of about 3.5k byte-tokens: the 1B GPU bench with 4k-token pairs
+    hh, uf, tldr  64 pairs each in the shape of a prompt-sharing benchmark (bench/share_prompt.sh),
+           byte-tokens: hh  HH-RLHF-like, long multi-turn prompts (~320) over short responses
+           (~64, a fifth); uf  UltraFeedback-like, responses (~260) longer than prompts (~150);
+           tldr  TL;DR-like, long posts (~500) and very short summaries (~45)
 """
 
 import json
@@ -21,12 +25,15 @@ WORDS = {
         "him see time could no make than first"
     ).split(),
 }
-WORDS["long"] = WORDS["gpu"]
+WORDS["long"] = WORDS["hh"] = WORDS["uf"] = WORDS["tldr"] = WORDS["gpu"]
 # kind: (seed, pairs, prompt words, response words)
 KINDS = {
     "big": (0, 100_000, (20, 60), (20, 80)),
     "gpu": (1, 4096, (25, 90), (15, 90)),
     "long": (1, 256, (350, 450), (250, 330)),
+    "hh": (2, 64, (65, 95), (10, 18)),
+    "uf": (3, 64, (30, 48), (55, 75)),
+    "tldr": (4, 64, (110, 140), (8, 14)),
 }
 
 out, kind = sys.argv[1], sys.argv[2]
