@@ -148,7 +148,8 @@ def collate_pairs(
             # Responses start where the prompt ends (their segment's first position, shared).
             first = min(segment, 1) * len(prompt)
             position_ids[r, start:end] = torch.arange(first, first + len(tokens), device=host)
-            if segment:
+            # An empty response (never one of data.py's) scores nothing.
+            if segment and tokens:
                 key = keys[segment - 1] if share_prompt else keys[r // len(pairs)]
                 flat = r * width
                 index[key] += [flat + len(prompt) - 1, *range(flat + start, flat + end - 1)]

@@ -85,21 +85,23 @@ _F_DIVERGENCE = {"dpo", "dpo_norm", "ipo", "hinge", "robust", "exo_pair", "disco
 _LOGIT_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 # Models whose attention takes a shared prompt's mask and positions exactly, each checked against
 # separate rows by test_dpo.py: rotary (Llama, Mistral, Qwen, Gemma, GPT-NeoX) or learned (GPT-2)
-# positions from position_ids, and per-layer masks where layers differ (Gemma 2's sliding windows,
-# which soft-capping then runs in eager attention). Attention implementations that take the mask:
+# positions from position_ids. Each takes its mask as its transformers code does: one for every
+# layer ("causal"), one narrowed to config.sliding_window where that is set ("sliding"), or one per
+# kind of layer in config.layer_types ("per_layer": Gemma 2's sliding and full layers, whose
+# soft-capping then runs in eager attention). The attention implementations that take a mask:
 # boolean for SDPA, additive for eager, a block mask for FlexAttention.
-SHARED_PROMPT_MODELS = (
-    "llama",
-    "mistral",
-    "mixtral",
-    "qwen2",
-    "qwen3",
-    "qwen3_moe",
-    "gemma",
-    "gemma2",
-    "gpt2",
-    "gpt_neox",
-)
+SHARED_PROMPT_MODELS = {
+    "llama": "causal",
+    "gemma": "causal",
+    "gpt2": "causal",
+    "gpt_neox": "causal",
+    "mistral": "sliding",
+    "mixtral": "sliding",
+    "qwen3_moe": "sliding",
+    "qwen2": "per_layer",
+    "qwen3": "per_layer",
+    "gemma2": "per_layer",
+}
 _SHARED_PROMPT_ATTENTION = ("sdpa", "eager", "flex_attention")
 
 
@@ -426,12 +428,13 @@ def add_scored_head(model: nn.Module) -> nn.Module:
 
 
 def response_logps(model, batch, ld_alpha: float | None = None, weighting: bool = False):
-    """(rows,) float32 summed log-probs of each row's response tokens, from a causal LM whose output
+    """(R,) float32 summed log-probs of each of the R responses, from a causal LM whose output
     layer is a ScoredHead. batch: a batches.PairBatch, or anything with its input_ids (rows, T),
-    score_index, score_targets (N,) and response_lengths (rows,). No attention mask: rows are
-    right-padded. ld_alpha (LD-DPO; rows are [chosen; rejected]): tokens past the pair's shorter
-    response count this much. weighting=True (WPO) also returns (rows,) log-weights, each row's mean
-    over its tokens of log p(token) - log sum_v p(v)^2, with no gradient."""
+    score_index, score_targets (N,), response_lengths (R,) and position_ids (None for right-padded
+    rows of one response each, which need no attention mask; else shared rows, given their mask:
+    _shared_prompt). ld_alpha (LD-DPO; responses are [chosen; rejected]): tokens past the pair's
+    shorter response count this much. weighting=True (WPO) also returns (R,) log-weights, each
+    response's mean over its tokens of log p(token) - log sum_v p(v)^2, with no gradient."""
     head = model.get_output_embeddings()
     if not isinstance(head, ScoredHead):
         raise ValueError(
@@ -467,7 +470,8 @@ def response_logps(model, batch, ld_alpha: float | None = None, weighting: bool 
 
 def takes_shared_prompt(config) -> bool:
     """Whether a Hugging Face model config (of a built model: its attention implementation is set)
-    scores shared-prompt rows exactly (SHARED_PROMPT_MODELS)."""
+    scores shared-prompt rows exactly: a model of SHARED_PROMPT_MODELS, in attention that takes a
+    mask."""
     return (
         config.model_type in SHARED_PROMPT_MODELS
         and config._attn_implementation in _SHARED_PROMPT_ATTENTION
@@ -479,27 +483,27 @@ def _shared_prompt(model, batch) -> dict:
     rows (causal: no mask)."""
     if batch.position_ids is None:
         return {}
-    kinds = getattr(model.config, "layer_types", None)
-    # Models whose layers differ (Gemma 2's sliding and full ones) take a mask per kind of layer.
-    masks = {kind: _mask(model.config, batch, kind) for kind in set(kinds or ["every"])}
-    return {
-        "position_ids": batch.position_ids,
-        "attention_mask": masks if kinds else masks["every"],
-    }
+    config = model.config
+    window = getattr(config, "sliding_window", None)
+    how = SHARED_PROMPT_MODELS[config.model_type]
+    if how == "per_layer":
+        mask = {
+            kind: _mask(config, batch, window if kind == "sliding_attention" else None)
+            for kind in set(config.layer_types)
+        }
+    else:
+        mask = _mask(config, batch, window if how == "sliding" else None)
+    return {"position_ids": batch.position_ids, "attention_mask": mask}
 
 
-def _mask(config, batch, kind: str):
-    """The attention mask of shared rows for layers of `kind` (config.layer_types', or "every"), in
-    the form the model's attention takes: a token sees the earlier tokens of the prompt and of its
-    own segment, and on sliding-window layers only those fewer than config.sliding_window positions
-    back. (B, 1, T, T) boolean for SDPA, additive float for eager; for FlexAttention a block mask,
-    which skips the blocks masked whole."""
+def _mask(config, batch, window: int | None):
+    """The attention mask of shared rows, in the form the model's attention takes: a token sees the
+    earlier tokens of the prompt and of its own segment, and with a `window` only those fewer than
+    `window` positions back. (B, 1, T, T) boolean for SDPA, additive float for eager; for
+    FlexAttention a block mask, which skips the blocks masked whole."""
     segments = batch.segment_ids
     positions = batch.position_ids
     rows, length = segments.shape
-    window = None
-    if kind in ("every", "sliding_attention"):
-        window = getattr(config, "sliding_window", None)
 
     def seen(b, h, q, k):
         visible = (k <= q) & ((segments[b, k] == 0) | (segments[b, k] == segments[b, q]))

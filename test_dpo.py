@@ -2908,27 +2908,34 @@ def test_the_trainer_trains_alike_in_shared_and_separate_rows(tmp_path, monkeypa
 
 
 @needs_cuda
-def test_shared_rows_on_cuda_take_flex_attention_and_score_as_separate_rows_in_bf16():
-    """On a GPU the trainer builds the model with FlexAttention, whose block mask skips the blocks
-    masked whole: shared rows' bf16 log-probs against separate rows' (SDPA, causal) within bf16's
-    rounding, and the mask given is a block mask."""
+def test_shared_rows_on_cuda_score_as_separate_rows_in_bf16_in_sdpa_and_flex_attention():
+    """On a GPU, bf16: shared rows' log-probs against separate rows' (SDPA, causal, no mask) within
+    bf16's rounding, in SDPA with the dense mask (what the trainer builds) and in FlexAttention with
+    a block mask that skips blocks (what loss._mask gives a model built with it)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     pairs = _random_pairs([(300, 60, 40), (200, 50, 80)])
-    config = _shared_config("llama")
-    torch.manual_seed(0)
-    sdpa = add_scored_head(transformers.AutoModelForCausalLM.from_config(config))
-    config._attn_implementation = "flex_attention"
-    torch.manual_seed(0)
-    flex = add_scored_head(transformers.AutoModelForCausalLM.from_config(config))
-    sdpa, flex = (m.to("cuda", torch.bfloat16).eval() for m in (sdpa, flex))
+    built = {}
+    for attention in ("sdpa", "flex_attention"):
+        config = _shared_config("llama")
+        config._attn_implementation = attention
+        torch.manual_seed(0)
+        model = add_scored_head(transformers.AutoModelForCausalLM.from_config(config))
+        built[attention] = model.to("cuda", torch.bfloat16).eval()
+    assert built["sdpa"].config._attn_implementation == "sdpa"
     shared = collate_pairs(pairs, pad_id=0, share_prompt=True).to("cuda")
-    mask = loss._shared_prompt(flex, shared)["attention_mask"]
-    # Blocks masked whole (above the diagonal at least) are skipped.
-    assert isinstance(mask, BlockMask) and mask.sparsity() > 0
+    mask = loss._shared_prompt(built["flex_attention"], shared)["attention_mask"]
+    # Blocks masked whole (above the diagonal at least) are skipped: fewer computed than the 2 rows'
+    # (blocks x blocks) of the 400-token rows.
+    blocks = math.ceil(400 / mask.BLOCK_SIZE[0])
+    computed = mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()
+    assert isinstance(mask, BlockMask) and computed < 2 * blocks * blocks
     with torch.no_grad():
-        expected = loss.response_logps(sdpa, collate_pairs(pairs, pad_id=0).to("cuda"))
-        torch.testing.assert_close(loss.response_logps(flex, shared), expected, rtol=2e-2, atol=0.5)
+        expected = loss.response_logps(built["sdpa"], collate_pairs(pairs, pad_id=0).to("cuda"))
+        for model in built.values():
+            torch.testing.assert_close(
+                loss.response_logps(model, shared), expected, rtol=2e-2, atol=0.5
+            )
 
 
 # -------------------------------------------------------------------------------------- checkpoints

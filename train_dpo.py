@@ -447,9 +447,6 @@ def setup(cfg: Config, device: torch.device) -> tuple[Run, torch.optim.Optimizer
         )
     # SFT alone runs no rejected responses to share a prompt with.
     cfg.batching = cfg.batching.resolve(dist.get_world_size(), shares and cfg.objective.pairwise)
-    if cfg.batching.share_prompt and device.type == "cuda" and probe._supports_flex_attn:
-        # FlexAttention's block mask skips the blocks masked whole; SDPA, the fallback, runs them.
-        model_config._attn_implementation = "flex_attention"
     # The demo's files are data like any other, written once by rank 0.
     dataset, is_demo = fsdp_setup.on_rank0(demo.demo_config, cfg.dataset, data.write_jsonl)
     train_pairs, eval_pairs, summary = data.load_tokens(
@@ -568,6 +565,8 @@ def load_or_precompute_ref(run: Run, model_config) -> dict[str, torch.Tensor]:
         "data": run.data["fingerprint"],
         "precision": run.precision.name,
         "ld_alpha": run.cfg.objective.ld_alpha,
+        # The layout changes the sums' rounding: a table made in one is not the other's.
+        "share_prompt": run.cfg.batching.share_prompt,
     }
     path = os.path.join(run.cfg.dataset.cache_dir, f"ref-{data.key_digest(key)[:20]}.safetensors")
     if fsdp_setup.on_rank0(os.path.exists, path):
