@@ -1,23 +1,26 @@
-"""Token batches for preference training: each step's pairs, each rank's share, and their tensors.
+"""Token batches for preference training: each step's rows, each rank's share, and their tensors.
 
 Copyable on its own: imports only the standard library and torch.
 
-    steps = StepBatches(pair_lens, BatchConfig(batch_size=64).resolve(world_size), seed=0)
+    steps = StepBatches(rows.lengths, BatchConfig(batch_size=64).resolve(world_size), seed=0)
     for step in range(steps.total_steps):
-        batch = steps(step)  # the global batch: pair indices
-        mine = rank_share(batch, rank, world_size)  # this rank's pairs of the step
-        # pb: a PairBatch, B rows [prompt | chosen | rejected] (share_prompt=False: 2B rows)
-        for idx, pb in micro_batches(pairs, mine, 8, pad_id, device, share_prompt=True):
+        batch = steps(step)  # the global batch: row indices
+        mine = rank_share(batch, rank, world_size)  # this rank's rows of the step
+        # rb: a RowBatch, B rows [prompt | r1 | ... | rK] (share_prompt=False: a row per response)
+        for idx, rb in micro_batches(rows, mine, 8, pad_id, device, share_prompt=True):
             ...
-    # fn(idx, pb) -> (B, 2), for every pair once over all ranks
-    table = pair_table(pairs, 2, fn, 8, pad_id, device)
+    # fn(idx, rb) -> (B, K), for every row once over all ranks
+    table = row_table(rows, (K,), fn, 8, pad_id, device)
 
-A pair is {"prompt", "chosen", "rejected"}: lists of token ids, each response ending with EOS.
-`pair_lens` is the (N, 3) tensor of their lengths (data.PairTokens.lengths).
+A row is {"prompt", "responses", "scores"}: a prompt's token ids, its K responses' (each ending with
+EOS) and their scores, higher better; a preference pair is a row of 2 scored (1, 0). `rows.lengths`
+is the (N, 1 + K) tensor of their lengths, `rows.scores` the (N, K) scores, NaN past a row's own K
+(data.RowTokens).
 """
 
 import math
 from dataclasses import dataclass, fields, replace
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -30,20 +33,27 @@ _MEGA = 256
 @dataclass
 class BatchConfig:
     batch_size: int = 32
-    """Global preference pairs per optimizer step, over all ranks and accumulation steps."""
+    """Global rows per optimizer step, over all ranks and accumulation steps: a pair file's rows
+    are pairs, a file of K scored responses per prompt has a row per prompt."""
     micro_batch_size: int | None = None
-    """Pairs per rank per forward (2x rows). Default: batch-size / ranks. Accumulation = batch /
-    (micro x ranks)."""
+    """Rows per rank per forward. Default: batch-size / ranks. Accumulation = batch / (micro x
+    ranks)."""
+    pairs: Literal["all", "best-vs-rest", "best-vs-worst"] = "all"
+    """The pairs a row of K scored responses gives: every two with different scores, the best
+    against each one scored lower, or against the lowest (SimPO's recipe). all, as every response
+    is scored once whatever the pairs: each comparison the scores state, at no extra forward. Ties
+    never pair; a pair file's rows give their one pair under any."""
     max_steps: int = 0
     """Optimizer steps to run; 0 means --epochs full passes over the data."""
     epochs: int = 1
     """Passes over the training data, when --max-steps is 0."""
     group_by_length: bool = True
-    """Batch pairs of similar length together (sorted within mega-batches, batch order shuffled):
+    """Batch rows of similar length together (sorted within mega-batches, batch order shuffled):
     less padding."""
     share_prompt: bool = True
-    """Score each pair in one row, [prompt | chosen | rejected], the prompt computed once (the
-    rejected tokens see the prompt and themselves only). --no-share-prompt: a row per response."""
+    """Score a prompt's responses in one row, [prompt | r1 | ... | rK], the prompt computed once
+    (each response sees the prompt and itself only). --no-share-prompt: a row per response. The
+    same batches either way."""
 
     def __post_init__(self):
         if self.batch_size < 1:
@@ -69,49 +79,47 @@ class BatchConfig:
 
 
 @dataclass
-class PairBatch:
-    """B preference pairs as right-padded rows, and the N response tokens that are scored. Separate
-    rows (position_ids None): 2B rows, all chosen then all rejected; padding only ever follows a
-    row's real tokens, which a causal model never lets them see, so the model needs no attention
-    mask (its fused causal kernels run). Shared rows: B rows [prompt | chosen | rejected], whose
-    attention mask the model must be given (loss.response_logps builds it from segment_ids and
-    position_ids). Either way the scored tokens and their log-probs are in [chosen; rejected]
-    order. Built on the host; `.to(device)` moves it."""
+class RowBatch:
+    """B rows of a prompt and its scored responses, laid out as right-padded rows, with the pairs
+    they give and the N response tokens that are scored. Separate rows (position_ids None): a row
+    per response; padding only ever follows a row's real tokens, which a causal model never lets
+    them see, so the model needs no attention mask (its fused causal kernels run). Shared rows: a
+    row per prompt, [prompt | r1 | ... | rK], whose attention mask the model must be given
+    (loss.response_logps builds it from segment_ids and position_ids). Either way the R responses
+    come column after column (every row's first, then every row's second, ...: a pair file's
+    chosen, then its rejected), and so do their scored tokens. Built on the host; `.to(device)`
+    moves it."""
 
     input_ids: torch.Tensor
-    """(rows, T) int64: prompt and response ids, then padding."""
+    """(layout rows, T) int64: prompt and response ids, then padding."""
     attention_mask: torch.Tensor
-    """(rows, T) int64: 1 on real tokens (for counting them; the model is not given it)."""
+    """(layout rows, T) int64: 1 on real tokens (for counting them; the model is not given it)."""
     response_lengths: torch.Tensor
-    """(2B,) int64: scored tokens per response, all chosen then all rejected."""
+    """(R,) int64: scored tokens per response."""
     score_index: torch.Tensor
-    """(N,) int64: for each scored token, the flat (rows * T) position whose state predicts it."""
+    """(N,) int64: for each scored token, the flat (layout rows * T) position whose state predicts
+    it."""
     score_targets: torch.Tensor
     """(N,) int64: the scored tokens, response after response (response_lengths[r] of the r-th)."""
-    chosen_scored: int
-    """How many of the N scored tokens belong to chosen responses (they come first)."""
+    chosen_index: torch.Tensor
+    """(P,) int64: each pair's preferred response, an index into the R responses."""
+    rejected_index: torch.Tensor
+    """(P,) int64: each pair's other response, scored lower."""
+    pair_tokens: int
+    """Tokens of both responses summed over the pairs (LD-DPO rescores each response per pair)."""
+    response_rows: torch.Tensor
+    """(R,) int64: the row (0..B-1) each response belongs to."""
+    response_columns: torch.Tensor
+    """(R,) int64: each response's place in its row's responses as the data has them."""
+    scores: torch.Tensor
+    """(B, K) float32: each row's scores, K its most responses, NaN past a row's own."""
     position_ids: torch.Tensor | None = None
     """Shared rows: (B, T) int64, each response's positions starting where the prompt ends."""
     segment_ids: torch.Tensor | None = None
-    """Shared rows: (B, T) int64, 0 on the prompt, 1 on chosen, 2 on rejected, -1 on padding. A
-    token sees the earlier tokens of the prompt and of its own segment."""
+    """Shared rows: (B, T) int64, 0 on the prompt, k on the k-th response, -1 on padding. A token
+    sees the earlier tokens of the prompt and of its own segment."""
 
-    def chosen(self) -> "PairBatch":
-        """The chosen responses alone (SFT scores no others): separate rows' first B rows; shared
-        rows all stay, only their chosen tokens scored."""
-        half = len(self.response_lengths) // 2
-        n = self.chosen_scored
-        rows = half if self.position_ids is None else len(self.input_ids)
-        return replace(
-            self,
-            input_ids=self.input_ids[:rows],
-            attention_mask=self.attention_mask[:rows],
-            response_lengths=self.response_lengths[:half],
-            score_index=self.score_index[:n],
-            score_targets=self.score_targets[:n],
-        )
-
-    def to(self, device: torch.device) -> "PairBatch":
+    def to(self, device: torch.device) -> "RowBatch":
         moved = {
             f.name: to_device(getattr(self, f.name), device)
             for f in fields(self)
@@ -120,28 +128,66 @@ class PairBatch:
         return replace(self, **moved)
 
 
-def collate_pairs(
-    pairs: list[dict[str, list[int]]], pad_id: int, share_prompt: bool = False
-) -> PairBatch:
-    """Lay out B pairs as a PairBatch on the host (PairBatch.to moves it): 2B rows [prompt |
-    response], or with `share_prompt` B rows [prompt | chosen | rejected]; T the longest row."""
+def row_pairs(scores: list[float], pairs: str = "all") -> list[tuple[int, int]]:
+    """(preferred, other) response positions of the pairs a row with these scores gives (NaN: no
+    response): every two with different scores ("all"), the best against each scored lower
+    ("best-vs-rest"), or against the lowest ("best-vs-worst"). Ties never pair; of tied bests or
+    worsts the first counts."""
+    real = [i for i, s in enumerate(scores) if not math.isnan(s)]
+    if pairs == "all":
+        ordered = [(i, j) for n, i in enumerate(real) for j in real[n + 1 :]]
+        return [
+            (i, j) if scores[i] > scores[j] else (j, i)
+            for i, j in ordered
+            if scores[i] != scores[j]
+        ]
+    best = max(real, key=scores.__getitem__)
+    lower = [j for j in real if scores[j] < scores[best]]
+    if pairs == "best-vs-worst":
+        lower = [min(lower, key=scores.__getitem__)] if lower else []
+    return [(best, j) for j in lower]
+
+
+def best_response(scores: list[float]) -> int:
+    """The position of a row's best-scored response (the first of tied bests)."""
+    return max((i for i, s in enumerate(scores) if not math.isnan(s)), key=scores.__getitem__)
+
+
+def collate_rows(
+    rows: list[dict], pad_id: int, share_prompt: bool = False, pairs: str = "all", best_only=False
+) -> RowBatch:
+    """Lay out B rows ({"prompt", "responses", "scores"}) as a RowBatch on the host (RowBatch.to
+    moves it): a row per response [prompt | response], or with `share_prompt` a row per prompt
+    [prompt | r1 | ... | rK]; T the longest. `pairs`: which pairs each row gives (row_pairs);
+    `best_only` (SFT): each row's best response alone, and no pairs."""
     host = torch.device("cpu")
-    keys = ("chosen", "rejected")
-    if share_prompt:
-        rows = [[pair["prompt"], pair["chosen"], pair["rejected"]] for pair in pairs]
-    else:
-        rows = [[pair["prompt"], pair[key]] for key in keys for pair in pairs]
-    width = max(sum(map(len, row)) for row in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=host)
+    kept = [list(range(len(row["responses"]))) for row in rows]
+    if best_only:
+        kept = [[best_response(row["scores"])] for row in rows]
+    # (row, column) of the R responses, column after column: a pair file's are all its chosen
+    # responses, then all its rejected ones.
+    responses = [
+        (b, ks[n]) for n in range(max(map(len, kept))) for b, ks in enumerate(kept) if n < len(ks)
+    ]
+    # Each layout row: its prompt's row, then the responses it holds.
+    layout = [(b, [(b, k) for k in ks]) for b, ks in enumerate(kept)]
+    if not share_prompt:
+        layout = [(b, [(b, k)]) for b, k in responses]
+    width = max(
+        len(rows[b]["prompt"]) + sum(len(rows[b]["responses"][k]) for _, k in held)
+        for b, held in layout
+    )
+    input_ids = torch.full((len(layout), width), pad_id, dtype=torch.long, device=host)
     # Padding is its own segment, at position 0 (any position the model has would do).
-    segment_ids = torch.full((len(rows), width), -1, dtype=torch.long, device=host)
-    position_ids = torch.zeros((len(rows), width), dtype=torch.long, device=host)
-    # Each key's scored positions: a response's first token is predicted by the prompt's last
+    segment_ids = torch.full((len(layout), width), -1, dtype=torch.long, device=host)
+    position_ids = torch.zeros((len(layout), width), dtype=torch.long, device=host)
+    # Each response's scored positions: its first token is predicted by the prompt's last
     # position, the others by the response's own tokens.
-    index = {key: [] for key in keys}
-    for r, (prompt, *responses) in enumerate(rows):
+    index = {}
+    for r, (b, held) in enumerate(layout):
+        prompt = rows[b]["prompt"]
         start = 0
-        for segment, tokens in enumerate([prompt, *responses]):
+        for segment, tokens in enumerate([prompt, *(rows[b]["responses"][k] for _, k in held)]):
             end = start + len(tokens)
             input_ids[r, start:end] = torch.tensor(tokens, device=host)
             segment_ids[r, start:end] = segment
@@ -149,39 +195,59 @@ def collate_pairs(
             first = min(segment, 1) * len(prompt)
             position_ids[r, start:end] = torch.arange(first, first + len(tokens), device=host)
             # An empty response (never one of data.py's) scores nothing.
-            if segment and tokens:
-                key = keys[segment - 1] if share_prompt else keys[r // len(pairs)]
+            if segment:
                 flat = r * width
-                index[key] += [flat + len(prompt) - 1, *range(flat + start, flat + end - 1)]
+                scored = [flat + len(prompt) - 1, *range(flat + start, flat + end - 1)]
+                index[held[segment - 1]] = scored if tokens else []
             start = end
-    return PairBatch(
+    # Each response's place among the R, to turn a row's pairs into indices of responses.
+    place = {response: n for n, response in enumerate(responses)}
+    found = (
+        []
+        if best_only
+        else [(b, ij) for b, row in enumerate(rows) for ij in row_pairs(row["scores"], pairs)]
+    )
+    lengths = [len(rows[b]["responses"][k]) for b, k in responses]
+    chosen = [place[b, i] for b, (i, _) in found]
+    rejected = [place[b, j] for b, (_, j) in found]
+    most = max(len(row["scores"]) for row in rows)
+    return RowBatch(
         input_ids,
         (segment_ids >= 0).long(),
-        torch.tensor([len(pair[key]) for key in keys for pair in pairs], device=host),
-        torch.tensor(index["chosen"] + index["rejected"], device=host),
-        torch.tensor([t for key in keys for pair in pairs for t in pair[key]], device=host),
-        len(index["chosen"]),
+        torch.tensor(lengths, device=host),
+        torch.tensor([i for response in responses for i in index[response]], device=host),
+        torch.tensor([t for b, k in responses for t in rows[b]["responses"][k]], device=host),
+        torch.tensor(chosen, dtype=torch.long, device=host),
+        torch.tensor(rejected, dtype=torch.long, device=host),
+        sum(lengths[i] + lengths[j] for i, j in zip(chosen, rejected)),
+        torch.tensor([b for b, _ in responses], device=host),
+        torch.tensor([k for _, k in responses], device=host),
+        torch.tensor(
+            [row["scores"] + [math.nan] * (most - len(row["scores"])) for row in rows],
+            dtype=torch.float32,
+            device=host,
+        ),
         position_ids if share_prompt else None,
         segment_ids if share_prompt else None,
     )
 
 
 class StepBatches:
-    """Every optimizer step's global batch of pair indices, epoch after epoch (split it with
+    """Every optimizer step's global batch of row indices, epoch after epoch (split it with
     rank_share). Each epoch's order is a function of (seed, epoch) alone (build_batches), so a
     resumed run sees what it would have."""
 
-    def __init__(self, pair_lens: torch.Tensor, config: BatchConfig, seed: int):
+    def __init__(self, row_lens: torch.Tensor, config: BatchConfig, seed: int):
         self.config = config
         self.seed = seed
-        self.n_pairs = len(pair_lens)
+        self.n_rows = len(row_lens)
         self.lengths = None
         if config.group_by_length:
-            self.lengths = pair_lengths(pair_lens, config.share_prompt)
-        self.steps_per_epoch = self.n_pairs // config.batch_size
+            self.lengths = row_lengths(row_lens)
+        self.steps_per_epoch = self.n_rows // config.batch_size
         if not self.steps_per_epoch:
             raise ValueError(
-                f"{self.n_pairs} training pairs, fewer than one --batch-size ({config.batch_size})"
+                f"{self.n_rows} training rows, fewer than one --batch-size ({config.batch_size})"
             )
         self.total_steps = config.max_steps or config.epochs * self.steps_per_epoch
         # The current epoch's batches, made when a step first needs them.
@@ -193,37 +259,52 @@ class StepBatches:
         if self._epoch != epoch:
             self._epoch = epoch
             self._batches = build_batches(
-                self.n_pairs, self.config.batch_size, self.seed, epoch, self.lengths
+                self.n_rows, self.config.batch_size, self.seed, epoch, self.lengths
             )
         return self._batches[step % self.steps_per_epoch]
 
 
-def pair_lengths(pair_lens: torch.Tensor, share_prompt: bool = False) -> list[int]:
-    """Each pair's collated row length from (N, 3) [prompt, chosen, rejected] lengths: prompt +
-    longer response, or shared, all three."""
-    if share_prompt:
-        return pair_lens.sum(1).tolist()
-    return (pair_lens[:, 0] + pair_lens[:, 1:].amax(1)).tolist()
+def row_lengths(row_lens: torch.Tensor) -> list[int]:
+    """Each row's tokens from its (N, 1 + K) [prompt, r1, ..., rK] lengths: its shared row's
+    length, the key of length grouping in either layout, so that --share-prompt changes no
+    batch."""
+    return row_lens.sum(1).tolist()
+
+
+def pair_counts(rows, idx: list[int], pairs: str, best_only: bool = False) -> tuple[int, int]:
+    """(pairs, their preferred responses' tokens) of rows[idx] (data.RowTokens: its scores and
+    lengths), on the host with no forward: what a step's means are over. `best_only` (SFT alone):
+    each row's best response stands for its one pair."""
+    count = tokens = 0
+    for i in idx:
+        lengths = rows.lengths[i].tolist()
+        scores = rows.scores[i].tolist()
+        found = row_pairs(scores, pairs)
+        if best_only:
+            found = [(best_response(scores), None)]
+        count += len(found)
+        tokens += sum(lengths[1 + c] for c, _ in found)
+    return count, tokens
 
 
 def build_batches(
-    n_pairs: int, batch_size: int, seed: int, epoch: int, lengths: list[int] | None = None
+    n_rows: int, batch_size: int, seed: int, epoch: int, lengths: list[int] | None = None
 ) -> list[list[int]]:
-    """The pair indices of each optimizer step of one epoch over all ranks (split them with
-    rank_share), a shuffle seeded by (seed, epoch). With `lengths` (pair_lengths), each mega-batch
+    """The row indices of each optimizer step of one epoch over all ranks (split them with
+    rank_share), a shuffle seeded by (seed, epoch). With `lengths` (row_lengths), each mega-batch
     of _MEGA global batches is sorted by length and cut into batches, whose order is shuffled again:
-    pairs of similar length, batches in random order. A last partial batch is dropped, so every step
-    sees exactly batch_size pairs."""
+    rows of similar length, batches in random order. A last partial batch is dropped, so every step
+    sees exactly batch_size rows."""
     generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
-    order = torch.randperm(n_pairs, generator=generator).tolist()
+    order = torch.randperm(n_rows, generator=generator).tolist()
     if lengths is not None:
         mega = batch_size * _MEGA
         order = [
             i
-            for s in range(0, n_pairs, mega)
+            for s in range(0, n_rows, mega)
             for i in sorted(order[s : s + mega], key=lengths.__getitem__)
         ]
-    batches = [order[s : s + batch_size] for s in range(0, n_pairs - batch_size + 1, batch_size)]
+    batches = [order[s : s + batch_size] for s in range(0, n_rows - batch_size + 1, batch_size)]
     if lengths is not None:
         batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
     return batches
@@ -237,39 +318,74 @@ def rank_share(batch: list[int], rank: int, world_size: int) -> list[int]:
     return batch[rank * per_rank : (rank + 1) * per_rank]
 
 
-def micro_batches(
-    pairs, idx: list[int], micro_batch_size: int, pad_id: int, device, share_prompt: bool = False
-):
-    """(indices, PairBatch on `device`) for each micro-batch of pairs[idx], in order."""
+def micro_batches(rows, idx: list[int], micro_batch_size: int, pad_id: int, device, **layout):
+    """(indices, RowBatch on `device`) for each micro-batch of rows[idx], in order; `layout`:
+    collate_rows' share_prompt, pairs, best_only."""
     for s in range(0, len(idx), micro_batch_size):
         mine = idx[s : s + micro_batch_size]
-        yield mine, collate_pairs([pairs[i] for i in mine], pad_id, share_prompt).to(device)
+        yield mine, collate_rows([rows[i] for i in mine], pad_id, **layout).to(device)
 
 
-def pair_table(
-    pairs, width: int, fn, micro_batch_size: int, pad_id: int, device, share_prompt: bool = False
+def row_table(
+    rows, shape: tuple, fn, micro_batch_size: int, pad_id: int, device, **layout
 ) -> torch.Tensor:
-    """(N, width): fn(idx, batch) -> (B, width) for each pair exactly once over the process group's
-    ranks, shortest first (build_eval_batches; `pairs`: data.PairTokens). A collective: every rank
-    calls it and gets the whole table."""
+    """(N, *shape): fn(idx, batch) -> (B, *shape) for each row exactly once over the process
+    group's ranks, shortest first (build_eval_batches; `rows`: data.RowTokens; `layout` as in
+    micro_batches). A collective: every rank calls it and gets the whole table."""
     # Each row from one rank, 0 on the others: the sum over ranks is exact, one non-zero term each.
-    table = torch.zeros(len(pairs), width, device=device)
-    lengths = pair_lengths(pairs.lengths, share_prompt)
+    table = torch.zeros(len(rows), *shape, device=device)
+    lengths = row_lengths(rows.lengths)
     for idx in build_eval_batches(
-        len(pairs), micro_batch_size, dist.get_rank(), dist.get_world_size(), lengths
+        len(rows), micro_batch_size, dist.get_rank(), dist.get_world_size(), lengths
     ):
-        # A rank out of pairs runs a dummy (pair 0), for the collectives, and keeps nothing of it.
-        batch = collate_pairs([pairs[i] for i in idx or [0]], pad_id, share_prompt).to(device)
+        # A rank out of rows runs a dummy (row 0), for the collectives, and keeps nothing of it.
+        batch = collate_rows([rows[i] for i in idx or [0]], pad_id, **layout).to(device)
         table[idx] = fn(idx, batch)[: len(idx)]
     dist.all_reduce(table)
     return table
 
 
-def table_rows(table: torch.Tensor, idx: list[int]) -> torch.Tensor:
-    """(2B,) [chosen; rejected], as in a PairBatch, of pairs `idx` from an (N, 2) [chosen, rejected]
-    table."""
-    rows = table[to_device(torch.tensor(idx or [0], device="cpu"), table.device)]  # (B, 2)
-    return rows.T.reshape(-1)  # (2B,)
+def response_table(
+    rows, fn, per_pair: bool, micro_batch_size: int, pad_id: int, device, **layout
+) -> torch.Tensor:
+    """A row_table of fn(batch)'s values: (N, K) from (R,) per-response ones, or with `per_pair`
+    (N, K, K) from (2P,) [chosen; rejected] pair sides (table_entries); K the rows' most
+    responses. table_rows reads it back."""
+    most = rows.scores.shape[1]
+    shape = (most, most) if per_pair else (most,)
+
+    def entries(idx, batch):  # (B, *shape)
+        return table_entries(fn(batch), batch, most, per_pair)
+
+    return row_table(rows, shape, entries, micro_batch_size, pad_id, device, **layout)
+
+
+def table_entries(values: torch.Tensor, batch: RowBatch, most: int, per_pair: bool):
+    """A row_table's rows for `batch`: (B, most) from (R,) per-response values, or with
+    `per_pair` (B, most, most) from (2P,) [chosen; rejected] pair sides (LD-DPO's, which depend
+    on the pair): entry [row, a, b] is response a's against b."""
+    rows = len(batch.scores)
+    if not per_pair:
+        at = (batch.response_rows, batch.response_columns)
+        return torch.zeros(rows, most, device=values.device).index_put(at, values)
+    return torch.zeros(rows, most, most, device=values.device).index_put(_sides(batch), values)
+
+
+def table_rows(table: torch.Tensor, idx: list[int], batch: RowBatch) -> torch.Tensor:
+    """`batch`'s values from a row_table of rows `idx`: (R,) per response from an (N, K) table,
+    (2P,) [chosen; rejected] pair sides from an (N, K, K) one (table_entries)."""
+    mine = table[to_device(torch.tensor(idx or [0], device="cpu"), table.device)]
+    if table.dim() == 2:
+        return mine[batch.response_rows, batch.response_columns]
+    return mine[_sides(batch)]
+
+
+def _sides(batch: RowBatch) -> tuple:
+    """(row, column, partner's column) of each of the (2P,) [chosen; rejected] pair sides."""
+    side = torch.cat([batch.chosen_index, batch.rejected_index])
+    other = torch.cat([batch.rejected_index, batch.chosen_index])
+    columns = batch.response_columns
+    return batch.response_rows[side], columns[side], columns[other]
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -281,17 +397,17 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 
 
 def build_eval_batches(
-    n_pairs: int,
+    n_rows: int,
     micro_batch_size: int,
     rank: int,
     world_size: int,
     lengths: list[int] | None = None,
 ) -> list[list[int]]:
-    """This rank's pair indices per forward for a pass over every pair once (evaluation, reference
+    """This rank's row indices per forward for a pass over every row once (evaluation, reference
     precompute): disjoint strided slices, sorted by `lengths` when given. Every rank gets the same
     number of batches; one that runs out gets empty ones, for which the caller runs a zero-weight
     dummy so collectives stay in step."""
-    order = range(n_pairs) if lengths is None else sorted(range(n_pairs), key=lengths.__getitem__)
+    order = range(n_rows) if lengths is None else sorted(range(n_rows), key=lengths.__getitem__)
     mine = list(order[rank::world_size])
-    per_rank = math.ceil(n_pairs / world_size)
+    per_rank = math.ceil(n_rows / world_size)
     return [mine[b : b + micro_batch_size] for b in range(0, per_rank, micro_batch_size)]

@@ -1,10 +1,10 @@
-"""Preference data: read pairs in the common shapes and tokenize them as the model sees them, once
-per run. Copyable on its own: imports only the standard library, torch and transformers. Row shapes:
-README.md's Data.
+"""Preference data: read pairs, or K scored responses per prompt, in the common shapes and tokenize
+them as the model sees them, once per run. Copyable on its own: imports only the standard library,
+torch and transformers. Row shapes: docs/data.md.
 
     config = DataConfig(data=("prefs.jsonl",), eval_fraction=0.05, cache_dir="cache")
     path = tokenize_to_cache(config, tokenizer)
-    train, evals, summary = load_tokens(path)  # train[0]: {"prompt", "chosen", "rejected"} id lists
+    train, evals, summary = load_tokens(path)  # train[0]: {"prompt", "responses", "scores"}
     rows = read_rows("prefs.jsonl")  # or just the checked rows
 
 Inspect what will be trained:
@@ -14,7 +14,9 @@ Inspect what will be trained:
 
 import argparse
 import hashlib
+import itertools
 import json
+import math
 import os
 import random
 import re
@@ -25,7 +27,7 @@ from typing import Literal
 import torch
 import transformers
 
-_CACHE_VERSION = 3  # bump when tokenization changes, so old caches are not reused
+_CACHE_VERSION = 4  # bump when tokenization changes, so old caches are not reused
 _HH_MARKER = "\n\nAssistant:"
 _SPACE = re.compile(r"\s*")
 _DECODER = json.JSONDecoder()
@@ -39,6 +41,20 @@ _JSON_KINDS = {
     bool: "a boolean",
     type(None): "null",
 }
+# Rows of K scored responses, by the field holding them: (prompt field, responses field, each
+# response's key in its item (None: the responses are the items), scores field or key, the sign that
+# makes higher better, whether string prompts and responses are a user's request and a chat model's
+# answers, rendered by the chat template). The first whose fields a row has wins.
+_K_SHAPES = (
+    ("prompt", "responses", None, "scores", 1, False),
+    # RLHFlow's online-RLHF: prompts already rendered by the chat template.
+    ("prompt", "responses", None, "rewards", 1, False),
+    # princeton-nlp/llama3-ultrafeedback-armorm: its chosen and rejected are chats; so are these.
+    ("prompt", "all_generated_responses", None, "all_rm_scores", 1, True),
+    ("instruction", "completions", "response", "overall_score", 1, True),  # openbmb/UltraFeedback
+    # berkeley-nest/Nectar: rank 1 is the best; prompts are Anthropic HH text, the template given.
+    ("prompt", "answers", "answer", "rank", -1, False),
+)
 # The chat templates --chat-template names, for tokenizers without one (base models).
 _CHAT_TEMPLATES = {
     "chatml": (
@@ -103,8 +119,9 @@ class DataError(ValueError):
 
 
 def read_rows(spec: str) -> list[dict]:
-    """Checked rows of a file or hub dataset: {"prompt" (None if implicit), "chosen", "rejected",
-    "where"}."""
+    """Checked rows of a file or hub dataset: {"prompt" (None if implicit), "responses", "scores"
+    (floats; NaN for a missing or non-finite one), "fields" (the responses' fields, for errors),
+    "where"}. A pair is the responses [chosen, rejected], scored [1, 0]."""
     raw = _read_source(spec)
     if not raw:
         raise DataError(f"{spec}:1: no preference pairs")
@@ -117,10 +134,59 @@ def read_rows(spec: str) -> list[dict]:
                 f"{where}: expected an object with fields chosen, rejected (and prompt); got "
                 f"{type(row).__name__}"
             )
-        for field in ("prompt", "chosen", "rejected"):
-            value = row.get(field)
-            if value is None and field != "prompt":
-                raise DataError(f"{where}: missing field '{field}'")
+        # A row with a shape's responses but not its scores takes the first such shape, whose
+        # error then names the scores it lacks.
+        shape = next(
+            (
+                s
+                for whole in (True, False)
+                for s in _K_SHAPES
+                if s[1] in row and (s[2] or s[3] in row or not whole)
+            ),
+            None,
+        )
+        fields, scores = [(f, row.get(f)) for f in ("prompt", "chosen", "rejected")], [1.0, 0.0]
+        if shape:
+            prompt_field, field, key, score, sign, chat = shape
+            items = row[field]
+            if not isinstance(items, list):
+                raise DataError(
+                    f"{where}: field '{field}' must be a list of responses, got "
+                    f"{type(items).__name__}"
+                )
+            bad = next(
+                (j for j, item in enumerate(items) if key and not isinstance(item, dict)), -1
+            )
+            if bad >= 0:
+                raise DataError(
+                    f"{where}: field '{field}' item {bad}: expected an object with '{key}' and "
+                    f"'{score}', got {json.dumps(items[bad])[:80]}"
+                )
+            scores = [item.get(score) for item in items] if key else row.get(score)
+            if not isinstance(scores, list) or len(scores) != len(items):
+                got = (
+                    f"{len(scores)}"
+                    if isinstance(scores, list)
+                    else _JSON_KINDS.get(type(scores), type(scores).__name__)
+                )
+                raise DataError(
+                    f"{where}: field '{score}' must be a list of {len(items)} scores, one for each "
+                    f"response in field '{field}'; got {got}"
+                )
+            fields = [(prompt_field, row.get(prompt_field))] + [
+                (f"{field}[{j}].{key}", item.get(key)) if key else (f"{field}[{j}]", item)
+                for j, item in enumerate(items)
+            ]
+            # A missing or non-finite score is NaN: the row is dropped, and counted, when tokenized.
+            scores = [
+                sign * float(s)
+                if isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s)
+                else math.nan
+                for s in scores
+            ]
+        for label, value in fields:
+            if value is None and (shape or label != "prompt"):
+                raise DataError(f"{where}: missing field '{label}'")
             if isinstance(value, list):
                 for i, m in enumerate(value):
                     if not (
@@ -128,42 +194,52 @@ def read_rows(spec: str) -> list[dict]:
                         and all(isinstance(m.get(k), str) for k in ("role", "content"))
                     ):
                         raise DataError(
-                            f"{where}: field '{field}' message {i}: expected {{\"role\": str, "
+                            f"{where}: field '{label}' message {i}: expected {{\"role\": str, "
                             f'"content": str}}, got {json.dumps(m)[:80]}'
                         )
             elif value is not None and not isinstance(value, str):
                 raise DataError(
-                    f"{where}: field '{field}' must be a string or a list of messages, got "
+                    f"{where}: field '{label}' must be a string or a list of messages, got "
                     f"{type(value).__name__}"
                 )
         kinds = {
-            field: "conversational" if isinstance(row[field], list) else "standard"
-            for field in ("prompt", "chosen", "rejected")
-            if row.get(field) is not None
+            label: "conversational" if isinstance(value, list) else "standard"
+            for label, value in fields
+            if value is not None
         }
-        if list(kinds.values()) == ["standard", "conversational", "conversational"]:
+        prompt, responses = fields[0][1], [value for _, value in fields[1:]]
+        if not shape and list(kinds.values()) == ["standard", "conversational", "conversational"]:
             # ultrafeedback_binarized's shape: the responses begin with the string prompt as a user
             # turn. As in the implicit shape, their shared first messages are the prompt.
-            shared = _implicit_prompt(row["chosen"], row["rejected"], None, where)
-            if not any(m["role"] == "user" and m["content"] == row["prompt"] for m in shared):
+            shared = _implicit_prompt(*responses, None, where)
+            if not any(m["role"] == "user" and m["content"] == prompt for m in shared):
                 raise DataError(
                     f"{where}: field 'prompt' is a string that no user turn among the first "
                     "messages 'chosen' and 'rejected' share repeats; begin both with it as a user "
                     "turn, or give the prompt as a message list and the responses without it"
                 )
-            row = {
-                "prompt": shared,
-                "chosen": row["chosen"][len(shared) :],
-                "rejected": row["rejected"][len(shared) :],
-            }
+            prompt, responses = shared, [r[len(shared) :] for r in responses]
         elif len(set(kinds.values())) > 1:
             shapes = ", ".join(f"{k}: {v}" for k, v in kinds.items())
-            raise DataError(
-                f"{where}: fields mix strings and message lists ({shapes}); give all three as "
-                "strings or as message lists (a string prompt goes with message-list responses "
-                "that begin with it as a user turn)"
+            give = (
+                "the prompt and every response as strings or as message lists"
+                if shape
+                else "all three as strings or as message lists (a string prompt goes with "
+                "message-list responses that begin with it as a user turn)"
             )
-        kind = kinds["chosen"] if "prompt" in kinds else f"implicit-prompt {kinds['chosen']}"
+            raise DataError(
+                f"{where}: fields mix strings and message lists ({shapes}); give {give}"
+            )
+        elif shape and chat and kinds[prompt_field] == "standard":
+            # A user's request and a chat model's answers: trained as the chat they were.
+            prompt, responses = (
+                [{"role": "user", "content": prompt}],
+                [[{"role": "assistant", "content": r}] for r in responses],
+            )
+        if shape:
+            kind = f"{kinds[prompt_field]} with '{field}' and '{score}'"
+        else:
+            kind = kinds["chosen"] if "prompt" in kinds else f"implicit-prompt {kinds['chosen']}"
         first = first or (where, kind)
         if kind != first[1]:
             raise DataError(
@@ -172,9 +248,10 @@ def read_rows(spec: str) -> list[dict]:
             )
         rows.append(
             {
-                "prompt": row.get("prompt"),
-                "chosen": row["chosen"],
-                "rejected": row["rejected"],
+                "prompt": prompt,
+                "responses": responses,
+                "scores": scores,
+                "fields": [label for label, _ in fields[1:]],
                 "where": where,
             }
         )
@@ -280,32 +357,33 @@ def _load_hub(spec: str):
         ) from None
 
 
-def _render(row: dict, tokenizer) -> tuple[str, str, str]:
-    """(prompt, chosen, rejected) text, the prompt ending where generation would start."""
-    prompt, chosen, rejected, where = row["prompt"], row["chosen"], row["rejected"], row["where"]
+def _render(row: dict, tokenizer) -> tuple[str, list[str]]:
+    """(prompt, responses) text, the prompt ending where generation would start."""
+    prompt, responses, where = row["prompt"], row["responses"], row["where"]
     if prompt is None:
-        prompt = _implicit_prompt(chosen, rejected, tokenizer, where)
-        chosen, rejected = chosen[len(prompt) :], rejected[len(prompt) :]
-    if isinstance(chosen, str):
-        return prompt, chosen, rejected
+        prompt = _implicit_prompt(*responses, tokenizer, where)
+        responses = [r[len(prompt) :] for r in responses]
+    if isinstance(prompt, str):
+        return prompt, responses
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(
             f"{where}: message lists need a chat template, and tokenizer "
             f"{tokenizer.name_or_path or type(tokenizer).__name__} has none (give --chat-template)"
         )
     text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-    responses = []
-    for field, response in (("chosen", chosen), ("rejected", rejected)):
+    texts = []
+    for j, response in enumerate(responses):
         full = (
             tokenizer.apply_chat_template(prompt + response, tokenize=False) if response else text
         )
         if not full.startswith(text):
             raise DataError(
-                f"{where}: field '{field}': the chat template renders the prompt differently once "
-                "the response follows, so the two cannot be split"
+                f"{where}: field '{row.get('fields', ['responses'] * len(responses))[j]}': the "
+                "chat template renders the prompt differently once the response follows, so the "
+                "two cannot be split"
             )
-        responses.append(full[len(text) :])
-    return text, responses[0], responses[1]
+        texts.append(full[len(text) :])
+    return text, texts
 
 
 def _implicit_prompt(chosen: str | list, rejected: str | list, tokenizer, where: str) -> str | list:
@@ -333,13 +411,16 @@ def _implicit_prompt(chosen: str | list, rejected: str | list, tokenizer, where:
     raise DataError(f"{where}: fields 'chosen' and 'rejected' share no prefix to use as the prompt")
 
 
-class PairTokens:
-    """N pairs' ids in one flat, memory-mappable int32 tensor; tokens[i]: {"prompt", "chosen",
-    "rejected"} lists."""
+class RowTokens:
+    """N rows' ids in one flat, memory-mappable int32 tensor, each row its prompt then its K
+    responses (K from 2 to the split's most); tokens[i]: {"prompt": ids, "responses": [ids, ...],
+    "scores": [float, ...]}. A pair is the responses [chosen, rejected], scored [1, 0]."""
 
-    def __init__(self, ids: torch.Tensor, lengths: torch.Tensor):
+    def __init__(self, ids: torch.Tensor, lengths: torch.Tensor, scores: torch.Tensor):
         self.ids = ids  # (total,) int32
-        self.lengths = lengths  # (N, 3) int64 [prompt, chosen, rejected]
+        # (N, 1 + K) int64 [prompt, response 1, ..., response K]: 0 past a row's own responses.
+        self.lengths = lengths
+        self.scores = scores  # (N, K) float32, higher is better: NaN past a row's own responses
         self._starts = torch.cat(
             [torch.zeros(1, dtype=torch.long), lengths.sum(1).cumsum(0)]
         ).tolist()
@@ -347,30 +428,42 @@ class PairTokens:
     def __len__(self) -> int:
         return len(self.lengths)
 
-    def mean_chosen(self, idx: list[int] | None = None) -> float:
-        """Mean chosen-response tokens per pair over pairs `idx` (default: all)."""
-        return self.lengths[idx if idx is not None else slice(None), 1].double().mean().item()
+    def mean_best(self, idx: list[int] | None = None) -> float:
+        """Mean tokens of each row's best-scored response (the first of equal bests: what SFT trains
+        on) over rows `idx` (default: all)."""
+        rows = slice(None) if idx is None else idx
+        best = self.scores[rows].nan_to_num(nan=-math.inf).argmax(1, keepdim=True)
+        return self.lengths[rows].gather(1, 1 + best).double().mean().item()
 
-    def __getitem__(self, i: int) -> dict[str, list[int]]:
-        p, c, r = self.lengths[i].tolist()
+    def __getitem__(self, i: int) -> dict[str, list]:
+        p, *sizes = self.lengths[i].tolist()
+        scores = self.scores[i][~self.scores[i].isnan()].tolist()
+        ends = list(itertools.accumulate(sizes[: len(scores)], initial=p))
         row = self.ids[self._starts[i] : self._starts[i + 1]].tolist()
-        return {"prompt": row[:p], "chosen": row[p : p + c], "rejected": row[p + c :]}
+        return {
+            "prompt": row[:p],
+            "responses": [row[a:b] for a, b in zip(ends, ends[1:])],
+            "scores": scores,
+        }
 
 
-def tokenize_pairs(
+def tokenize_rows(
     rows: list[dict], tokenizer, config: DataConfig, progress=None
-) -> tuple[PairTokens, dict]:
-    """(tokens, summary) of read_rows rows, cut and dropped as README.md's Data section says; the
-    summary counts pairs, drops, cuts and lengths before cutting; progress(message) hears long
-    runs."""
+) -> tuple[RowTokens, dict]:
+    """(tokens, summary) of read_rows rows, cut and dropped as docs/data.md says; the summary counts
+    rows, responses, drops, cuts and lengths before cutting; progress(message) hears long runs."""
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no EOS token; responses must end with one")
     prefix = _leading_special_ids(tokenizer)
     counts = dict.fromkeys(
         (
+            "dropped_unscored",
+            "dropped_tied",
             "dropped_empty",
             "dropped_identical",
             "identical_after_truncation",
+            "empty_responses",
+            "identical_responses",
             "truncated",
             "truncated_prompts",
             "truncated_responses",
@@ -378,46 +471,72 @@ def tokenize_pairs(
         ),
         0,
     )
-    # Each chunk's ids (after an empty tensor, so that no rows still concatenate), each kept pair's
-    # three lengths, and lengths before truncation.
+    # Rows that rank nothing: a score missing or not finite, or all scores equal.
+    scored = []
+    for row in rows:
+        if not all(map(math.isfinite, row["scores"])):
+            counts["dropped_unscored"] += 1
+        elif len(set(row["scores"])) < 2:
+            counts["dropped_tied"] += 1
+        else:
+            scored.append(row)
+    # Each chunk's ids (after an empty tensor, so that no rows still concatenate), each kept row's
+    # lengths and scores, and lengths before truncation.
     done = [torch.zeros(0, dtype=torch.int32)]
-    lengths = []
+    lengths, scores = [], []
     raw = {"prompt": [], "response": [], "pair": []}
-    for s in range(0, len(rows), _CHUNK):
-        if progress and len(rows) > 10 * _CHUNK and (s // _CHUNK) % 10 == 0:
-            progress(f"tokenizing: {s}/{len(rows)} pairs")
-        texts = [_render(row, tokenizer) for row in rows[s : s + _CHUNK]]
-        prompts = tokenizer([p for p, _, _ in texts], add_special_tokens=False)["input_ids"]
-        both = [p + x for p, c, r in texts for x in (c, r)]
-        fulls = tokenizer(both, add_special_tokens=False)["input_ids"]
+    for s in range(0, len(scored), _CHUNK):
+        if progress and len(scored) > 10 * _CHUNK and (s // _CHUNK) % 10 == 0:
+            progress(f"tokenizing: {s}/{len(scored)} rows")
+        chunk = scored[s : s + _CHUNK]
+        texts = [_render(row, tokenizer) for row in chunk]
+        prompts = tokenizer([p for p, _ in texts], add_special_tokens=False)["input_ids"]
+        fulls = iter(
+            tokenizer([p + r for p, rs in texts for r in rs], add_special_tokens=False)["input_ids"]
+        )
         flat = []
-        for j, (_, c, r) in enumerate(texts):
-            row = rows[s + j]
-            # A chat template writes BOS itself; plain text gets the tokenizer's leading specials.
-            prompt = prompts[j] if isinstance(row["chosen"], list) else prefix + prompts[j]
+        for row, (_, responses), ids in zip(chunk, texts, prompts):
+            # A chat template writes BOS itself, and so do prompts rendered by one (RLHFlow's);
+            # other plain text gets the tokenizer's leading specials.
+            prompt = ids
+            if not isinstance(row["responses"][0], list) and ids[: len(prefix)] != prefix:
+                prompt = prefix + ids
             if not prompt:
                 raise DataError(
                     f"{row['where']}: field 'prompt' is empty and the tokenizer adds no BOS, so "
                     "the response's first token would have nothing to follow"
                 )
-            pair = _truncate(
+            kept = _truncate(
                 prompt,
-                _response_ids(prompts[j], c, fulls[2 * j], tokenizer, counts),
-                _response_ids(prompts[j], r, fulls[2 * j + 1], tokenizer, counts),
+                [_response_ids(ids, r, next(fulls), tokenizer, counts) for r in responses],
+                row["scores"],
                 prefix,
                 config,
                 counts,
                 raw,
             )
-            if pair:
-                flat += pair[0] + pair[1] + pair[2]
-                lengths.append(tuple(map(len, pair)))
+            if kept:
+                flat += kept[0] + [t for r, _ in kept[1] for t in r]
+                lengths.append([len(kept[0])] + [len(r) for r, _ in kept[1]])
+                scores.append([score for _, score in kept[1]])
         # As int32: Python ints would take several times the memory.
         done.append(torch.tensor(flat, dtype=torch.int32))
-    tokens = PairTokens(torch.cat(done), torch.tensor(lengths, dtype=torch.long).view(-1, 3))
+    # 1 + the most responses a row kept; rows with fewer are padded.
+    width = max(map(len, lengths), default=3)
+    tokens = RowTokens(
+        torch.cat(done),
+        torch.tensor([n + [0] * (width - len(n)) for n in lengths], dtype=torch.long).view(
+            -1, width
+        ),
+        torch.tensor(
+            [x + [math.nan] * (width - 1 - len(x)) for x in scores], dtype=torch.float32
+        ).view(-1, width - 1),
+    )
     return tokens, {
         "pairs": len(tokens),
-        "dropped": counts["dropped_empty"] + counts["dropped_identical"],
+        "rows": len(tokens),
+        "responses": int(tokens.lengths[:, 1:].count_nonzero()),
+        "dropped": sum(v for k, v in counts.items() if k.startswith("dropped_")),
         **counts,
         "tokens_before_truncation": {k: _percentiles(v) for k, v in raw.items()},
     }
@@ -442,26 +561,30 @@ def _response_ids(
 
 def _truncate(
     prompt: list[int],
-    chosen: list[int],
-    rejected: list[int],
+    responses: list[list[int]],
+    scores: list[float],
     prefix: list[int],
     config: DataConfig,
     counts: dict,
     raw: dict,
-) -> tuple[list[int], list[int], list[int]] | None:
-    """The pair cut to config's limits, or None when it carries no preference (counted)."""
-    # Nothing but EOS.
-    if len(chosen) == 1 or len(rejected) == 1:
+) -> tuple[list[int], list[tuple[list[int], float]]] | None:
+    """(prompt, [(response, score)]) cut to config's limits, without empty responses or repeats of
+    an earlier one (counted); None when fewer than two distinct scores are left (counted)."""
+    # Nothing but EOS: no answer to rank.
+    kept = [(r, score) for r, score in zip(responses, scores) if len(r) > 1]
+    counts["empty_responses"] += len(responses) - len(kept)
+    if len({score for _, score in kept}) < 2:
         counts["dropped_empty"] += 1
         return None
-    if chosen == rejected:
+    kept = _distinct(kept, counts)
+    if len({score for _, score in kept}) < 2:
         counts["dropped_identical"] += 1
         return None
-    longest = max(len(chosen), len(rejected))
+    longest = max(len(r) for r, _ in kept)
     for key, n in (("prompt", len(prompt)), ("response", longest), ("pair", len(prompt) + longest)):
         raw[key].append(n)
     if len(prompt) + longest <= config.max_length:
-        return prompt, chosen, rejected
+        return prompt, kept
     cut_prompt = len(prompt) > config.prompt_limit
     if cut_prompt and config.truncation == "keep_start":
         prompt = prompt[: config.prompt_limit]
@@ -471,15 +594,26 @@ def _truncate(
         prompt = head + prompt[len(prompt) - (config.prompt_limit - len(head)) :]
     room = config.max_length - len(prompt)
     # Responses that differ only past the cut teach nothing either.
-    if chosen[:room] == rejected[:room]:
+    kept = _distinct([(r[:room], score) for r, score in kept], counts)
+    if len({score for _, score in kept}) < 2:
         counts["dropped_identical"] += 1
         counts["identical_after_truncation"] += 1
         return None
-    # A pair over max_length always loses prompt or response tokens.
+    # A row over max_length always loses prompt or response tokens.
     counts["truncated"] += 1
     counts["truncated_prompts"] += int(cut_prompt)
     counts["truncated_responses"] += int(longest > room)
-    return prompt, chosen[:room], rejected[:room]
+    return prompt, kept
+
+
+def _distinct(kept: list[tuple[list[int], float]], counts: dict) -> list[tuple[list[int], float]]:
+    # A response repeated teaches nothing new, or contradicts itself under another score: the first
+    # stays (a row's order ranks nothing).
+    unique = {}
+    for ids, score in kept:
+        unique.setdefault(tuple(ids), (ids, score))
+    counts["identical_responses"] += len(kept) - len(unique)
+    return list(unique.values())
 
 
 def _leading_special_ids(tokenizer) -> list[int]:
@@ -534,12 +668,15 @@ def tokenize_to_cache(config: DataConfig, tokenizer, progress=None) -> str:
         )
         eval_rows = [r for i, r in enumerate(rows) if i in held]
         rows = [r for i, r in enumerate(rows) if i not in held]
-    train, train_summary = tokenize_pairs(rows, tokenizer, config, progress)
-    evals, eval_summary = tokenize_pairs(eval_rows, tokenizer, config, progress)
+    train, train_summary = tokenize_rows(rows, tokenizer, config, progress)
+    evals, eval_summary = tokenize_rows(eval_rows, tokenizer, config, progress)
     if not len(train):
         raise DataError(
-            f"{','.join(config.data)}: every pair was dropped ({train_summary['dropped']} with an "
-            "empty or identical response)"
+            f"{','.join(config.data)}: every row was dropped ("
+            + ", ".join(
+                f"{k} {v}" for k, v in train_summary.items() if k.startswith("dropped_") and v
+            )
+            + ")"
         )
     # What fixes the training pairs, for resume checks: the files, and how this code and tokenizer
     # cut them.
@@ -555,8 +692,10 @@ def tokenize_to_cache(config: DataConfig, tokenizer, progress=None) -> str:
             {
                 "train_ids": train.ids,
                 "train_lengths": train.lengths,
+                "train_scores": train.scores,
                 "eval_ids": evals.ids,
                 "eval_lengths": evals.lengths,
+                "eval_scores": evals.scores,
                 "summary": json.dumps(summary),
             },
             tmp,
@@ -564,13 +703,13 @@ def tokenize_to_cache(config: DataConfig, tokenizer, progress=None) -> str:
     )
 
 
-def load_tokens(path: str) -> tuple[PairTokens, PairTokens, dict]:
+def load_tokens(path: str) -> tuple[RowTokens, RowTokens, dict]:
     """(train, eval, summary) from a tokenize_to_cache file, memory-mapped: ranks on a node share
     one copy."""
     saved = torch.load(path, mmap=True, weights_only=True)
     return (
-        PairTokens(saved["train_ids"], saved["train_lengths"]),
-        PairTokens(saved["eval_ids"], saved["eval_lengths"]),
+        RowTokens(saved["train_ids"], saved["train_lengths"], saved["train_scores"]),
+        RowTokens(saved["eval_ids"], saved["eval_lengths"], saved["eval_scores"]),
         json.loads(saved["summary"]),
     )
 
@@ -640,8 +779,8 @@ def load_tokenizer(name: str, chat_template: str | None = None):
 
 def inspect(argv: list[str] | None = None) -> None:
     """python data.py PATH --model NAME [--max-length N] [--max-prompt-length N] [--truncation T]
-    [--chat-template T] [--show K]: K JSON lines decoded from exactly the tokens that will be
-    trained, then one JSON summary line."""
+    [--chat-template T] [--show N]: N JSON lines {"prompt", "responses": [{"score", "text"}, ...]}
+    decoded from exactly the tokens that will be trained, then one JSON summary line."""
     parser = argparse.ArgumentParser(prog="data.py", description=inspect.__doc__.split(":")[0])
     parser.add_argument(
         "path", help="file(s) (comma-separated), hub:NAME[:SPLIT] or hub:NAME:CONFIG:SPLIT"
@@ -657,7 +796,7 @@ def inspect(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--chat-template", help="a Jinja file or chatml, in place of the tokenizer's template"
     )
-    parser.add_argument("--show", type=int, default=3, help="pairs to print")
+    parser.add_argument("--show", type=int, default=3, help="rows to print")
     args = parser.parse_args(argv)
     transformers.utils.logging.set_verbosity_error()
     try:
@@ -669,14 +808,22 @@ def inspect(argv: list[str] | None = None) -> None:
             chat_template=args.chat_template,
         )
         tokenizer = load_tokenizer(args.model, args.chat_template)
-        tokens, summary = tokenize_pairs(
+        tokens, summary = tokenize_rows(
             [row for spec in config.data for row in read_rows(spec)], tokenizer, config
         )
     except (ValueError, OSError) as e:
         parser.exit(2, f"error: {e}\n")
-    for i in range(min(args.show, len(tokens))):
+    for row in (tokens[i] for i in range(min(args.show, len(tokens)))):
+        # Scores as read, not float32's digits (0.1, not 0.10000000149011612).
+        responses = [
+            {"score": float(f"{score:.7g}"), "text": tokenizer.decode(ids)}
+            for ids, score in zip(row["responses"], row["scores"])
+        ]
         print(
-            json.dumps({k: tokenizer.decode(v) for k, v in tokens[i].items()}, ensure_ascii=False)
+            json.dumps(
+                {"prompt": tokenizer.decode(row["prompt"]), "responses": responses},
+                ensure_ascii=False,
+            )
         )
     print(json.dumps(summary))
 

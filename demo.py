@@ -139,6 +139,16 @@ def warm_start(enabled: bool, model: str, data: tuple, pairwise: bool, cache_dir
     return stages
 
 
+def record_samples(evaluations: list | None, step: int, means: dict, samples: list[dict]) -> None:
+    """An evaluation's samples by the demo's ground truth: their shares in the chosen and in the
+    rejected style added to `means`, and (step, preferred share, first sample) to `evaluations`
+    (what_moved reads them); nothing for other data (None) or without samples."""
+    if evaluations is None or not samples:
+        return
+    means.update(score_samples([s["completion"] for s in samples]))
+    evaluations.append((step, means["samples/preferred"], samples[0]))
+
+
 def what_moved(evaluations: list[tuple[int, float, dict]]) -> str:
     """The demo's last line, from its evaluations' (step, preferred share, first sample): the
     scorer's share and the first held-out prompt's completion, at the first and the last."""

@@ -8,13 +8,13 @@ Copyable on its own: imports only the standard library and torch.
     )
 
 A Hugging Face causal LM can skip the logits: give it a ScoredHead once, then score a
-batches.PairBatch's responses:
+batches.RowBatch's responses (a prompt's K responses, each once, and the pairs they give):
 
     add_scored_head(model)  # before sharding; state-dict names unchanged
-    logps = response_logps(model, batch)  # (2B,) float32, [chosen; rejected]
-    # both models' log-probs (the reference's first), then each pair's loss
-    logps, ref_logps, log_weights = pair_logps(policy, reference, batch, LossConfig())
-    out = pair_loss(logps, ref_logps, batch.response_lengths, LossConfig(), log_weights=log_weights)
+    logps = response_logps(model, batch)  # (R,) float32, one per response
+    # both models' log-probs (the reference's first), then each pair's loss (or each row's,
+    # for a listwise loss): {"losses", "chosen_rewards", ..., "logratios"}
+    out = batch_loss(policy, reference, batch, LossConfig())
 
 References
 - DPO: Rafailov et al. 2023, https://arxiv.org/abs/2305.18290 (Eq. 7).
@@ -38,16 +38,22 @@ References
 - WPO: Zhou et al. 2024, https://arxiv.org/abs/2406.11827.
 - LD-DPO: Liu et al. 2024, https://arxiv.org/abs/2409.06411.
 - TR-DPO: Gorbatovski et al. 2024, https://arxiv.org/abs/2404.09656 (fsdp_setup.mix_into).
+- Plackett-Luce DPO: Rafailov et al. 2023, https://arxiv.org/abs/2305.18290 (App. A.3).
+- InfoNCA, NCA (listwise): Chen et al. 2024, https://arxiv.org/abs/2402.05369 (Sec. 3 and 4).
+- LiPO-lambda: Liu et al. 2024, https://arxiv.org/abs/2402.01878.
 """
 
 import contextlib
+import copy
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 LossType = Literal[
     "dpo",
@@ -67,6 +73,10 @@ LossType = Literal[
     "aot_pair",
     "dpo_norm",
     "sft",
+    "plackett_luce",
+    "infonca",
+    "nca",
+    "lipo",
 ]
 IGNORE_INDEX = -100
 # TRL's names for ours: resolved in LossConfig, so that checkpoints hold the canonical name.
@@ -77,32 +87,50 @@ _ALIASES = {"sigmoid": "dpo"}
 FUSED_HEAD_ON_CPU = False
 # Losses that never look at a reference model.
 _REFERENCE_FREE = {"simpo", "sft"}
+# Losses of a prompt's K responses at once (row_loss), not of its pairs.
+_LISTWISE = {"plackett_luce", "infonca", "nca", "lipo"}
 # Losses defined on length-averaged log-probs.
 _AVERAGED = {"simpo", "dpo_norm"}
 # The losses f-DPO has a form for.
 _F_DIVERGENCE = {"dpo", "dpo_norm", "ipo", "hinge", "robust", "exo_pair", "discopop", "sft"}
 # Model config fields that reshape the logits after the output layer: its result must stay logits.
 _LOGIT_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-# Models whose attention takes a shared prompt's mask and positions exactly, each checked against
-# separate rows by test_dpo.py: rotary (Llama, Mistral, Qwen, Gemma, GPT-NeoX) or learned (GPT-2)
-# positions from position_ids. Each takes its mask as its transformers code does: one for every
-# layer ("causal"), one narrowed to config.sliding_window where that is set ("sliding"), or one per
-# kind of layer in config.layer_types ("per_layer": Gemma 2's sliding and full layers, whose
-# soft-capping then runs in eager attention). The attention implementations that take a mask:
-# boolean for SDPA, additive for eager, a block mask for FlexAttention.
-SHARED_PROMPT_MODELS = {
-    "llama": "causal",
-    "gemma": "causal",
-    "gpt2": "causal",
-    "gpt_neox": "causal",
-    "mistral": "sliding",
-    "mixtral": "sliding",
-    "qwen3_moe": "sliding",
-    "qwen2": "per_layer",
-    "qwen3": "per_layer",
-    "gemma2": "per_layer",
-}
+# The attention implementations that take a shared prompt's mask: boolean for SDPA, additive for
+# eager, a block mask for FlexAttention. Whether a model's attention takes that mask and the
+# positions exactly is probed (takes_shared_prompt): its transformers code, not a list of names.
 _SHARED_PROMPT_ATTENTION = ("sdpa", "eager", "flex_attention")
+# The probe's verdicts, once per process: by (model type, attention, config as JSON), "" where
+# shared rows scored as separate ones, else why not (shared_prompt_refusal).
+_PROBED: dict[tuple, str] = {}
+# The probe's model: the model's own config with these fields made small where it sets them (not
+# None or 0): 4 heads of the model's own width (so that rotary dims and rope scaling tables stay
+# as they are; as many for keys and values, as latent attention needs), 16 small experts (groups
+# of routed experts keep 2 each), windows (sliding, local, chunked) shorter than its rows, token
+# ids dropped (the real ones lie outside the small vocabulary).
+_PROBE_SIZES = {
+    "vocab_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_kv_heads": 4,
+    "intermediate_size": 32,
+    "ffn_dim": 32,
+    "n_inner": 32,
+    "ffn_hidden_size": 32,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "num_local_experts": 16,
+    "num_experts": 16,
+    "n_routed_experts": 16,
+    "moe_num_experts": 16,
+    "num_experts_per_tok": 2,
+    "sliding_window": 4,
+    "window_size": 4,
+    "attention_chunk_size": 4,
+    "pad_token_id": None,
+    "bos_token_id": None,
+    "eos_token_id": None,
+}
 
 
 @dataclass
@@ -125,6 +153,9 @@ class LossConfig:
     discopop_tau: float = 0.05
     """DiscoPOP's temperature of the mix between its logistic and exponential parts, only with
     --loss discopop."""
+    score_temperature: float = 1.0
+    """infonca and nca's alpha: their targets are softmax(scores / alpha) over a prompt's
+    responses."""
     ipo_logps: Literal["mean", "sum"] = "mean"
     """IPO's log-probs: mean per token (TRL's, which it checked with the IPO authors), or sum (Eq.
     17 as printed)."""
@@ -176,6 +207,20 @@ class LossConfig:
             raise ValueError(f"--label-smoothing must be in [0, 0.5), got {self.label_smoothing}")
         if not self.discopop_tau > 0:
             raise ValueError(f"--discopop-tau must be > 0, got {self.discopop_tau}")
+        pair_options = (
+            self.ld_alpha is not None,
+            self.use_weighting,
+            self.label_smoothing > 0,
+            self.f_divergence_type != "reverse_kl",
+        )
+        if self.listwise and (len(self.loss) > 1 or any(pair_options)):
+            raise ValueError(
+                f"--loss {' '.join(self.loss)}: a listwise loss (plackett_luce, infonca, nca, "
+                "lipo) goes alone, and without the options that act on pairs (--ld-alpha, "
+                "--use-weighting, --label-smoothing, --f-divergence-type)"
+            )
+        if not self.score_temperature > 0:
+            raise ValueError(f"--score-temperature must be > 0, got {self.score_temperature}")
         if (self.use_weighting or self.ld_alpha is not None) and not self.pairwise:
             raise ValueError(
                 "--use-weighting and --ld-alpha weigh pairs: they need a preference --loss"
@@ -215,6 +260,12 @@ class LossConfig:
         """False for sft alone, which scores the chosen responses only: no rejected log-probs,
         rewards or margins."""
         return self.loss != ("sft",)
+
+    @property
+    def listwise(self) -> bool:
+        """True for a loss of all of a prompt's responses at once (row_loss): its unit is the row,
+        not the pair."""
+        return bool(set(self.loss) & _LISTWISE)
 
     def averages(self, loss_type: str) -> bool:
         """True when `loss_type` takes per-token mean log-probs instead of sums."""
@@ -391,7 +442,7 @@ class ScoredHead(nn.Linear):
     @contextlib.contextmanager
     def scoring(self, index: torch.Tensor, targets: torch.Tensor, squares: bool = False):
         """Score the tokens `targets` (N,) predicted at flat positions `index` (N,), as in a
-        batches.PairBatch, in the model's forwards inside; yields a record whose .logps the fused
+        batches.RowBatch, in the model's forwards inside; yields a record whose .logps the fused
         layer fills: (N,) float32 log-probs, and with `squares` (2N,), each position's log sum_v
         p(v)^2 after them. Unfused, .logps stays None and the model's logits are (N, V)."""
         self._scoring = _Scoring(index, targets, squares)
@@ -429,11 +480,12 @@ def add_scored_head(model: nn.Module) -> nn.Module:
 
 def response_logps(model, batch, ld_alpha: float | None = None, weighting: bool = False):
     """(R,) float32 summed log-probs of each of the R responses, from a causal LM whose output
-    layer is a ScoredHead. batch: a batches.PairBatch, or anything with its input_ids (rows, T),
+    layer is a ScoredHead. batch: a batches.RowBatch, or anything with its input_ids (rows, T),
     score_index, score_targets (N,), response_lengths (R,) and position_ids (None for right-padded
     rows of one response each, which need no attention mask; else shared rows, given their mask:
-    _shared_prompt). ld_alpha (LD-DPO; responses are [chosen; rejected]): tokens past the pair's
-    shorter response count this much. weighting=True (WPO) also returns (R,) log-weights, each
+    _shared_prompt). ld_alpha (LD-DPO): instead the (2P,) [chosen; rejected] sums of the batch's
+    pairs (chosen_index, rejected_index, pair_tokens), tokens past the pair's shorter response
+    counting this much (_ld_sums). weighting=True (WPO) also returns (R,) log-weights, each
     response's mean over its tokens of log p(token) - log sum_v p(v)^2, with no gradient."""
     head = model.get_output_embeddings()
     if not isinstance(head, ScoredHead):
@@ -451,49 +503,183 @@ def response_logps(model, batch, ld_alpha: float | None = None, weighting: bool 
     n = len(batch.score_targets)
     lengths = batch.response_lengths
     token_logps = values[:n]
-    if ld_alpha is not None:
-        # A row's tokens from its start + the pair's shared length on are its tail. Computed on
-        # the device: no host sync.
-        shared = torch.minimum(*lengths.chunk(2)).repeat(2)  # (rows,)
-        starts = lengths.cumsum(0) - lengths + shared
-        tail_start = starts.repeat_interleave(lengths, output_size=n)  # (N,)
-        in_tail = torch.arange(n, device=values.device) >= tail_start
-        token_logps = torch.where(in_tail, ld_alpha * token_logps, token_logps)
-    sums = torch.segment_reduce(token_logps, "sum", lengths=lengths, unsafe=True, initial=0)
+    if ld_alpha is None:
+        sums = torch.segment_reduce(token_logps, "sum", lengths=lengths, unsafe=True, initial=0)
+    else:
+        sums = _ld_sums(token_logps, batch, ld_alpha)
     if not weighting:
         return sums
-    # WPO: log p(token) - log sum_v p(v)^2, averaged over each row's tokens.
+    # WPO: log p(token) - log sum_v p(v)^2, averaged over each response's tokens.
     aligned = (values[:n] - values[n:]).detach()
     log_weights = torch.segment_reduce(aligned, "sum", lengths=lengths, unsafe=True, initial=0)
     return sums, log_weights / lengths.clamp(min=1)
 
 
+def _ld_sums(token_logps: torch.Tensor, batch, ld_alpha: float) -> torch.Tensor:
+    """(2P,) [chosen; rejected] LD-DPO log-probs of the batch's pairs: each side summed over its
+    first min(len chosen, len rejected) tokens, plus ld_alpha x the rest. A response in several
+    pairs is summed once per pair, each with its own cut. On the device: no host sync."""
+    lengths = batch.response_lengths
+    starts = lengths.cumsum(0) - lengths
+    side = torch.cat([batch.chosen_index, batch.rejected_index])  # (2P,)
+    other = torch.cat([batch.rejected_index, batch.chosen_index])
+    own = lengths[side]
+    total = batch.pair_tokens
+    # Each side's tokens laid end to end: `at` is a token's place within its response.
+    ends = own.cumsum(0)
+    at = torch.arange(total, device=own.device) - (ends - own).repeat_interleave(
+        own, output_size=total
+    )
+    tokens = token_logps[starts[side].repeat_interleave(own, output_size=total) + at]  # (M,)
+    cut = torch.minimum(own, lengths[other]).repeat_interleave(own, output_size=total)
+    tokens = torch.where(at >= cut, ld_alpha * tokens, tokens)
+    return torch.segment_reduce(tokens, "sum", lengths=own, unsafe=True, initial=0)
+
+
 def takes_shared_prompt(config) -> bool:
     """Whether a Hugging Face model config (of a built model: its attention implementation is set)
-    scores shared-prompt rows exactly: a model of SHARED_PROMPT_MODELS, in attention that takes a
-    mask."""
+    scores shared-prompt rows exactly: see shared_prompt_refusal."""
+    return not shared_prompt_refusal(config)
+
+
+def shared_prompt_refusal(config) -> str:
+    """Why a model of this config, in its attention implementation, does not score shared-prompt
+    rows as it scores separate rows, in a line; "" where it does. Probed once per process for each
+    model type, attention and config (_probe), on a copy of the config cut down, never on the
+    model itself."""
+    if config._attn_implementation not in _SHARED_PROMPT_ATTENTION:
+        return f"{config._attn_implementation} attention takes no dense mask"
+    if any(hasattr(value, "model_type") for value in vars(config).values()):
+        # The probe would build the parts of other configs (a vision tower) at their full size.
+        return f"{config.model_type} holds other models' configs: not probed"
+    key = (config.model_type, config._attn_implementation, config.to_json_string(use_diff=False))
+    if key not in _PROBED:
+        _PROBED[key] = _probe(config)
+    return _PROBED[key]
+
+
+def _probe(config) -> str:
+    """shared_prompt_refusal's verdict: a model of `config` cut down (_PROBE_SIZES; 2 layers, one
+    at least of each kind in layer_types) with random float32 weights on the CPU, from seed 0 (the
+    caller's random state kept; every rank agrees), scores a few pairs in shared and in separate
+    rows, whose (2B,) log-probs must agree within 1e-5 of the largest; or the error of a model
+    that refuses the mask or the positions (BLOOM's ALiBi, made from a 2D mask alone) or the cut."""
+    threads = torch.get_num_threads()
+    try:
+        import transformers  # only here: the rest of this file needs torch alone
+
+        # Tiny matrices: one thread is fastest, and spins on no other process's cores (seconds
+        # instead of milliseconds on a busy host).
+        torch.set_num_threads(1)
+        small = copy.deepcopy(config)
+        small.update({name: v for name, v in _PROBE_SIZES.items() if getattr(config, name, None)})
+        # 4 heads of the model's own width: its head_dim, or hidden_size over heads.
+        small.hidden_size = 4 * (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        if getattr(config, "layer_types", None):
+            small.num_hidden_layers = max(2, len(set(config.layer_types)))
+            # Each kind's first layer, then the model's first layers up to two in all.
+            small.layer_types = [*dict.fromkeys(config.layer_types), *config.layer_types][
+                : small.num_hidden_layers
+            ]
+        with torch.random.fork_rng(devices=()), torch.no_grad():
+            torch.manual_seed(0)
+            # FlexAttention compiles on a CPU (tens of seconds; some masks fail to): probed in
+            # eager attention, which every model has, with the same mask (_mask) as a tensor.
+            model = add_scored_head(
+                transformers.AutoModelForCausalLM.from_config(
+                    small,
+                    attn_implementation=config._attn_implementation.replace(
+                        "flex_attention", "eager"
+                    ),
+                    dtype=torch.float32,
+                ).eval()
+            )
+            # (prompt, chosen, rejected) lengths: rows longer than the windows (4), responses of
+            # unequal lengths both ways, a one-token prompt, padding in both layouts.
+            pairs = [
+                [torch.randint(1, 64, (n,), device="cpu") for n in lengths]
+                for lengths in ((6, 4, 7), (1, 5, 2), (3, 2, 1))
+            ]
+            shared, separate = (response_logps(model, _probe_rows(pairs, s)) for s in (1, 0))
+    except Exception as e:  # a model that cannot take the layout (or be cut down): separate rows
+        return f"its probe raised {type(e).__name__}: " + str(e).strip().partition("\n")[0]
+    finally:
+        torch.set_num_threads(threads)
+    gap = (shared - separate).abs().max().item()
     return (
-        config.model_type in SHARED_PROMPT_MODELS
-        and config._attn_implementation in _SHARED_PROMPT_ATTENTION
+        f"its probe's shared rows scored {gap:.2g} off separate rows"
+        if gap > 1e-5 * separate.abs().max().item()
+        else ""
+    )
+
+
+def _probe_rows(pairs: list, share: bool) -> SimpleNamespace:
+    """batches.RowBatch's scoring fields as batches.collate_rows lays out pairs (that file is not
+    imported: this one is copied alone) for pairs of (prompt, chosen, rejected) (n,) int64 tensors
+    on the CPU: B shared rows [prompt | chosen | rejected], or 2B separate rows [prompt | chosen]
+    then [prompt | rejected] (the other response left empty)."""
+    rows = (
+        pairs
+        if share
+        else [[p, c, r[:0]] for p, c, r in pairs] + [[p, c[:0], r] for p, c, r in pairs]
+    )
+    width = max(sum(map(len, row)) for row in rows)
+    # Shared rows' positions, each response's starting where the prompt ends, and segments;
+    # padding is segment -1, at position 0.
+    positions = [
+        torch.cat(
+            [
+                torch.arange(len(t), device="cpu") + min(s, 1) * len(row[0])
+                for s, t in enumerate(row)
+            ]
+        )
+        for row in rows
+    ]
+    segments = [torch.cat([torch.full_like(t, s) for s, t in enumerate(row)]) for row in rows]
+    return SimpleNamespace(
+        input_ids=pad_sequence([torch.cat(row) for row in rows], True),  # (rows, T)
+        # Token j of response k (1 chosen, 2 rejected) in row r: predicted at flat position
+        # r * width + prompt - 1 + j, past the chosen tokens too for the rejected ones but the first
+        # (which the prompt's last position predicts).
+        score_index=torch.tensor(
+            [
+                r * width + len(row[0]) - 1 + j + (j > 0) * (k - 1) * len(row[1])
+                for k in (1, 2)
+                for r, row in enumerate(rows)
+                for j in range(len(row[k]))
+            ],
+            device="cpu",
+        ),
+        score_targets=torch.cat([pair[k] for k in (1, 2) for pair in pairs]),
+        response_lengths=torch.tensor(
+            [len(pair[k]) for k in (1, 2) for pair in pairs], device="cpu"
+        ),
+        # Separate rows are causal: given no positions and no mask.
+        position_ids=pad_sequence(positions, True) if share else None,
+        segment_ids=pad_sequence(segments, True, -1) if share else None,
     )
 
 
 def _shared_prompt(model, batch) -> dict:
-    """The position_ids and attention mask of a batches.PairBatch of shared rows; {} for separate
-    rows (causal: no mask)."""
+    """The position_ids and attention mask of a batches.RowBatch of shared rows; {} for separate
+    rows (causal: no mask). The mask as the model's transformers code builds its own: one per kind
+    of layer where the config has layer_types (narrowed to config.sliding_window on
+    "sliding_attention" layers: Qwen2, Gemma 2 and 3), else one for every layer, narrowed to
+    config.sliding_window where that is set (Mistral, Starcoder2)."""
     if batch.position_ids is None:
         return {}
     config = model.config
     window = getattr(config, "sliding_window", None)
-    how = SHARED_PROMPT_MODELS[config.model_type]
-    if how == "per_layer":
-        mask = {
+    return {
+        "position_ids": batch.position_ids,
+        "attention_mask": {
             kind: _mask(config, batch, window if kind == "sliding_attention" else None)
-            for kind in set(config.layer_types)
+            for kind in set(getattr(config, "layer_types", None) or ())
         }
-    else:
-        mask = _mask(config, batch, window if how == "sliding" else None)
-    return {"position_ids": batch.position_ids, "attention_mask": mask}
+        or _mask(config, batch, window),
+    }
 
 
 def _mask(config, batch, window: int | None):
@@ -525,24 +711,70 @@ def _mask(config, batch, window: int | None):
 
 def pair_logps(
     policy, reference, batch, objective: LossConfig, ref_logps: torch.Tensor | None = None
-):
-    """(policy, reference, WPO log-weights) of a batches.PairBatch under `objective`: (2B,) [chosen;
-    rejected] log-probs (summed; LD-DPO's with --ld-alpha) of the policy (sft alone: of the chosen
-    rows, the rejected 0), and the reference's: `ref_logps` when given (precomputed), else the
-    `reference` model's (no gradient), else None (a reference-free loss); and with --use-weighting
-    the policy's (2B,) log-weights (response_logps), else None."""
+) -> dict:
+    """The log-probs a batches.RowBatch's loss needs, under `objective`: "logps" (2P,) [chosen;
+    rejected] of its pairs (summed; LD-DPO's with --ld-alpha) from the policy (sft alone: each row's
+    best response then as many 0s, for B pairs); "ref_logps" the same of the reference, from
+    `ref_logps` when given (precomputed: per response as response_logps gives them, per pair side
+    with --ld-alpha), else the `reference` model (no gradient), else None (reference-free);
+    "log_weights" (2P,) WPO's with --use-weighting, else None; "logratios" (R,) each response's
+    policy - reference log-prob (None with --ld-alpha, whose log-probs are per pair, or with no
+    reference)."""
     # The reference first, so that its activations are freed before the policy's exist.
     if ref_logps is None and reference is not None:
         with torch.no_grad():
             ref_logps = response_logps(reference, batch, objective.ld_alpha)
     if not objective.pairwise:
-        # SFT scores the chosen rows alone: the rejected ones would double the cost.
-        chosen = response_logps(policy, batch.chosen())
-        return torch.cat([chosen, torch.zeros_like(chosen)]), ref_logps, None
+        # SFT scores each row's best response alone (the batch holds no others).
+        best = response_logps(policy, batch)
+        return {
+            "logps": torch.cat([best, torch.zeros_like(best)]),
+            "ref_logps": None,
+            "log_weights": None,
+            "logratios": None,
+        }
+    log_weights = None
+    logps = response_logps(policy, batch, objective.ld_alpha, objective.use_weighting)
     if objective.use_weighting:
-        logps, log_weights = response_logps(policy, batch, objective.ld_alpha, weighting=True)
-        return logps, ref_logps, log_weights
-    return response_logps(policy, batch, objective.ld_alpha), ref_logps, None
+        logps, log_weights = logps
+        log_weights = pair_sides(log_weights, batch)
+    out = {"logps": logps, "ref_logps": ref_logps, "log_weights": log_weights, "logratios": None}
+    if objective.ld_alpha is None:
+        if ref_logps is not None:
+            out["logratios"] = logps - ref_logps
+            out["ref_logps"] = pair_sides(ref_logps, batch)
+        out["logps"] = pair_sides(logps, batch)
+    return out
+
+
+def batch_loss(
+    policy,
+    reference,
+    batch,
+    objective: LossConfig,
+    ref_logps: torch.Tensor | None = None,
+    tokens_per_pair: float | None = None,
+) -> dict[str, torch.Tensor]:
+    """The objective on a batches.RowBatch: pair_logps, then pair_loss's (P,) tensors, whose
+    "losses" a listwise objective replaces by row_loss's (B,), one per row; and pair_logps'
+    "logratios" (R,). tokens_per_pair as in pair_loss."""
+    scored = pair_logps(policy, reference, batch, objective, ref_logps)
+    out = pair_loss(
+        scored["logps"],
+        scored["ref_logps"],
+        pair_sides(batch.response_lengths, batch),
+        objective,
+        tokens_per_pair,
+        scored["log_weights"],
+    )
+    if objective.listwise:
+        out["losses"] = row_loss(scored["logratios"], batch, objective)
+    return {**out, "logratios": scored["logratios"]}
+
+
+def pair_sides(values: torch.Tensor, batch) -> torch.Tensor:
+    """(2P,) [chosen; rejected] of a batches.RowBatch's pairs from (R,) per-response values."""
+    return values[torch.cat([batch.chosen_index, batch.rejected_index])]
 
 
 # ------------------------------------------------------------------------------------------- losses
@@ -576,10 +808,11 @@ def pair_loss(
     for loss_type, weight in zip(objective.loss, objective.loss_weights):
         per_token = response_lengths.clamp(min=1) if objective.averages(loss_type) else 1
         refs = (None, None) if ref_scores is None else (ref_scores / per_token).chunk(2)
+        # A listwise loss's pairs log dpo's rewards; its losses are row_loss's, per row.
         part, chosen_rewards, rejected_rewards = preference_loss(
             *(scores / per_token).chunk(2),
             *refs,
-            loss_type=loss_type,
+            loss_type="dpo" if loss_type in _LISTWISE else loss_type,
             beta=objective.beta,
             label_smoothing=objective.label_smoothing,
             simpo_gamma=objective.simpo_gamma,
@@ -713,6 +946,94 @@ def preference_loss(
             f"unknown loss_type {loss_type!r}; choose one of {', '.join(get_args(LossType))}"
         )
     return losses, beta * c.detach(), beta * r.detach()
+
+
+def row_loss(logratios: torch.Tensor, batch, objective: LossConfig) -> torch.Tensor:
+    """(B,) float32 listwise losses (listwise_loss) of a batches.RowBatch's rows from (R,)
+    per-response policy - reference log-probs (pair_logps' "logratios")."""
+    rows, most = batch.scores.shape
+    flat = torch.zeros(rows * most, device=logratios.device).index_put(
+        (batch.response_rows * most + batch.response_columns,), logratios.float()
+    )
+    return listwise_loss(
+        flat.view(rows, most),  # (B, K)
+        batch.scores,
+        ~batch.scores.isnan(),
+        objective.loss[0],
+        objective.beta,
+        objective.score_temperature,
+    )
+
+
+def listwise_loss(
+    logratios: torch.Tensor,
+    scores: torch.Tensor,
+    valid: torch.Tensor,
+    loss_type: str = "plackett_luce",
+    beta: float = LossConfig.beta,
+    alpha: float = LossConfig.score_temperature,
+) -> torch.Tensor:
+    """(B,) float32 per-prompt losses (not reduced) of B prompts with up to K responses each.
+    logratios: (B, K) log pi(y_i|x) - log pi_ref(y_i|x), summed over each response's tokens, any
+    float dtype; scores: (B, K) the data's scores, higher is better; valid: (B, K) bool, False on
+    padding. A row's K_row valid entries may sit anywhere in it; padding may hold anything (NaN,
+    inf): it changes neither value nor gradient, and a row without a valid entry has loss 0. With
+    r_i = beta logratio_i, w = softmax(score / alpha) over the row's valid entries, s = sigmoid,
+    and sums over valid i, j:
+
+        plackett_luce  -sum_i [r_i - log(e^r_i + sum_{j: score_j < score_i} e^r_j)]   DPO App. A.3
+                       (the Plackett-Luce NLL of the ranking by score: response tau(k) chosen
+                       among tau(k..K); ties below)
+        infonca        -sum_i w_i log softmax(r)_i                             InfoNCA, NCA Sec. 3
+        nca            -sum_i [w_i log s(r_i) + log s(-r_i) / K_row]           NCA Sec. 4
+        lipo           -sum_{i, j: score_i > score_j} D_ij log s(r_i - r_j)    LiPO-lambda
+                       D_ij = |G_i - G_j| |1 / log2(1 + t_i) - 1 / log2(1 + t_j)|, G = 2^score - 1,
+                       t_i = rank of r_i among the row's (1 = highest; ties by position), D_ij
+                       without gradient (LambdaLoss's weights: the rank is a step function)
+
+    Ties in score, plackett_luce: a response is chosen from among itself and those scored strictly
+    below it, so tied responses are never ordered against each other (as DPO has no pair for a
+    tie). The loss then does not depend on where tied responses sit in the row, and pushes their
+    rewards neither apart nor together; a row of all-tied scores has loss 0. With distinct scores
+    it is A.3's loss exactly: at K = 2, dpo's. infonca and nca at K = 2 with w = (1, 0) (alpha -> 0,
+    or scores far apart) are dpo and nca_pair. lipo's gains need 2^score finite (graded scores,
+    < 128)."""
+    # Padding zeroed here: its NaN or inf reaches no value, and it gets a gradient of 0.
+    r = torch.where(valid, beta * logratios.float(), 0)
+    scores = torch.where(valid, scores.float(), 0)
+    better = valid[:, :, None] & valid[:, None, :] & (_gaps(scores) > 0)  # (B, K, K): i beats j
+    if loss_type == "plackett_luce":
+        # A pairwise mask, not a cumulative log-sum-exp over sorted rewards: it leaves out a
+        # response's ties wherever they sit, K is a handful, and no sort or -inf prefix is needed.
+        choice = better | torch.eye(r.shape[-1], dtype=torch.bool, device=r.device)  # (B, K, K)
+        log_denominators = r[:, None, :].masked_fill(~choice, -math.inf).logsumexp(-1)  # (B, K)
+        return -torch.where(valid, r - log_denominators, 0).sum(-1)
+    targets = (scores / alpha).masked_fill(~valid, -math.inf).softmax(-1)
+    if loss_type == "infonca":
+        log_probs = r.masked_fill(~valid, -math.inf).log_softmax(-1)
+        # Padding's 0 x -inf is NaN: where, not a product, drops it.
+        return -torch.where(valid, targets * log_probs, 0).sum(-1)
+    if loss_type == "nca":
+        # K_row; 1 in a row without responses, whose loss is 0 anyway: no 0 / 0 in backward.
+        k_row = valid.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
+        per_response = targets * F.logsigmoid(r) + F.logsigmoid(-r) / k_row
+        return -torch.where(valid, per_response, 0).sum(-1)
+    if loss_type == "lipo":
+        # Each response's 0-based position when the row's valid rewards are sorted, highest first.
+        key = torch.where(valid, r.detach(), -math.inf)
+        positions = key.argsort(dim=-1, descending=True, stable=True).argsort(-1)
+        discounts = 1 / torch.log2(positions.float() + 2)
+        gains = torch.exp2(scores)  # the gains' -1 cancels in |G_i - G_j|
+        weights = torch.where(better, _gaps(gains).abs() * _gaps(discounts).abs(), 0)
+        return -(weights * F.logsigmoid(_gaps(r))).sum((1, 2))
+    raise ValueError(
+        f"unknown listwise loss_type {loss_type!r}; choose one of plackett_luce, infonca, nca, lipo"
+    )
+
+
+def _gaps(x: torch.Tensor) -> torch.Tensor:
+    """(B, K, K) x_i - x_j of a (B, K) x."""
+    return x[:, :, None] - x[:, None, :]
 
 
 def chosen_nll(chosen_logps: torch.Tensor, tokens_per_pair: float) -> torch.Tensor:

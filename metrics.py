@@ -1,21 +1,22 @@
-"""What a run reports: pair statistics, memory, MFU, the console (rank 0 only), metrics.jsonl and
-W&B.
+"""What a run reports: pair and ranking statistics, memory, MFU, the console (rank 0 only),
+metrics.jsonl and W&B.
 
 Copyable on its own: imports only the standard library and torch.
 
     sums = StepSums(device)
     for batch in micro_batches:  # no host sync in the loop
-        sums.add(out, batch_counts(coefficients, True, 3, True, batch))  # out: loss.pair_loss's
+        sums.add(row_sums(out, batch), batch_counts(coefficients, 3, True, batch))  # out: loss's
     sums.all_reduce()  # once per step
-    stats = StepStats(**sums.totals(n_pairs), grad_norm=1.2, skipped=False, ...)
+    stats = StepStats(**sums.totals(), grad_norm=1.2, skipped=False, ...)
     log = RunLog("runs/x", resume_step=0, samples=True)
     log.wandb = open_wandb(WandbConfig("p"), config, out_dir, resume=False)  # to W&B too
-    log.write(stats.row(step, lr, seconds, n_pairs, group_peak_flops(device, "bf16"), elapsed))
+    log.write(stats.row(step, lr, seconds, group_peak_flops(device, "bf16"), elapsed))
     log.close()  # and metrics.png
 """
 
 import importlib.util
 import json
+import math
 import os
 import pathlib
 import resource
@@ -37,46 +38,90 @@ PAIR_METRICS = (
 )
 
 
-def pair_stats(out: dict) -> torch.Tensor:
-    """(B, 7): each pair's PAIR_METRICS from pair_loss's (B,) tensors. Sum them on the device;
-    reduce once a step."""
+# Of a prompt's K responses: the share of rows whose highest reward is on a best-scored response,
+# and Kendall's tau-b between rewards and scores.
+RANK_METRICS = ("rewards/best_on_top", "rewards/kendall_tau")
+# What row_sums adds up per row: each metric, then the row's pairs and the row itself (1).
+ROW_COLUMNS = len(PAIR_METRICS) + len(RANK_METRICS) + 2
+
+
+def row_sums(out: dict, batch, pairwise: bool = True, listwise: bool = False) -> torch.Tensor:
+    """(B, ROW_COLUMNS) per row of a batches.RowBatch: the sums over its pairs of pair_loss's
+    per-pair values ("chosen_rewards", ...: (P,)) and losses, its RANK_METRICS from
+    out["logratios"] ((R,); NaN where it is None), its pair count, and 1. A `listwise` loss gives
+    (B,) losses, one per row; SFT alone (not `pairwise`) gives (B,) everything, each row's best
+    response standing for its one pair. Sum them on the device; reduce once a step."""
+    rows = len(batch.scores)
+    device = batch.scores.device
     cr = out["chosen_rewards"]
     rr = out["rejected_rewards"]
-    return torch.stack(
-        [
-            out["losses"].detach(),
-            cr,
-            rr,
-            (cr > rr).float(),
-            cr - rr,
-            out["chosen_logps"],
-            out["rejected_logps"],
-        ],
-        dim=1,
+    pairs = torch.stack(
+        [cr, rr, (cr > rr).float(), cr - rr, out["chosen_logps"], out["rejected_logps"]], dim=1
     )
+    pair_rows = batch.response_rows[batch.chosen_index]  # (P,)
+    if not pairwise:
+        pair_rows = torch.arange(rows, device=device)
+    losses = out["losses"].detach()
+    if pairwise and not listwise:
+        losses = torch.zeros(rows, device=device).index_add_(0, pair_rows, losses)
+    ranks = torch.full((rows, len(RANK_METRICS)), torch.nan, device=device)
+    if out.get("logratios") is not None:
+        ranks = torch.stack(_ranking(out["logratios"], batch), dim=1)
+    # Not bincount: its output's size would wait for the device.
+    counts = torch.zeros(rows, 2, device=device)
+    counts[:, 1] = 1
+    counts[:, 0].index_add_(0, pair_rows, torch.ones(len(pair_rows), device=device))
+    per_row = torch.zeros(rows, pairs.shape[1], device=device).index_add_(0, pair_rows, pairs)
+    return torch.cat([losses[:, None], per_row, ranks, counts], dim=1)
 
 
-def pair_means(sums: torch.Tensor, count: float, pairwise: bool = True) -> dict:
-    """{metric: sum / count} of PAIR_METRICS; SFT (pairwise=False) runs no rejected rows: only loss
-    and logps/chosen."""
-    return {
-        k: v / count
-        for k, v in zip(PAIR_METRICS, sums.tolist())
-        if pairwise or k in ("loss", "logps/chosen")
-    }
+def _ranking(logratios: torch.Tensor, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B,) each: whether a row's highest reward is on a best-scored response (any of tied bests),
+    strictly above every other response's (policy = reference: all 0, a miss, as the pair accuracy
+    counts a tie), and Kendall's tau-b between rewards and scores (tau-b: scores are often tied
+    grades, where tau-a cannot reach 1; 0 where undefined). 1 and 0 for a row of all-tied scores."""
+    rows, most = batch.scores.shape
+    flat = torch.full((rows * most,), -math.inf, device=logratios.device)
+    r = flat.index_put((batch.response_rows * most + batch.response_columns,), logratios.float())
+    r = r.view(rows, most)  # (B, K)
+    valid = ~batch.scores.isnan()
+    s = torch.where(valid, batch.scores, -math.inf)
+    best = valid & (s == s.amax(-1, keepdim=True))
+    top = r.masked_fill(~best, -math.inf).amax(-1) > r.masked_fill(best, -math.inf).amax(-1)
+    both = valid[:, :, None] & valid[:, None, :]  # (B, K, K)
+    ds = torch.where(both, (s[:, :, None] - s[:, None, :]).sign(), 0)
+    dr = torch.where(both, (r[:, :, None] - r[:, None, :]).sign(), 0)
+    # Each sum counts a pair twice, so a nonzero one is >= 2: clamp only turns 0 / 0 into 0.
+    scale = (ds.abs().sum((1, 2)) * dr.abs().sum((1, 2))).sqrt().clamp(min=1)
+    return top.float(), (ds * dr).sum((1, 2)) / scale
+
+
+def row_means(sums: torch.Tensor, pairwise: bool = True, listwise: bool = False) -> dict:
+    """{metric: mean} from row_sums summed over rows: the loss over the pairs (over the rows when
+    `listwise`), the pair metrics over the pairs, RANK_METRICS over the rows where defined (not
+    NaN). SFT alone (pairwise=False) runs no rejected responses: only loss and
+    logps/chosen."""
+    values = sums.tolist()
+    pairs, rows = values[-2:]
+    if not pairwise:
+        return {"loss": values[0] / pairs, "logps/chosen": values[len(PAIR_METRICS) - 1] / pairs}
+    means = {"loss": values[0] / (rows if listwise else pairs)}
+    for i, name in enumerate(PAIR_METRICS[1:] + RANK_METRICS):
+        means[name] = values[1 + i] / (pairs if name in PAIR_METRICS else rows)
+    return {k: v for k, v in means.items() if k not in RANK_METRICS or not math.isnan(v)}
 
 
 class StepSums:
     """One optimizer step's sums on the training device, in one tensor so that one all-reduce
-    carries them: each of PAIR_METRICS over the pairs, then batch_counts' tokens, token slots and
-    model FLOPs. Adding a micro-batch needs no host sync."""
+    carries them: row_sums over the step's rows, then batch_counts' tokens, token slots and model
+    FLOPs. Adding a micro-batch needs no host sync."""
 
     def __init__(self, device: torch.device):
-        self._sums = torch.zeros(len(PAIR_METRICS) + 3, device=device)
+        self._sums = torch.zeros(ROW_COLUMNS + 3, device=device)
 
-    def add(self, out: dict, counts: torch.Tensor) -> None:
-        """A micro-batch: pair_loss's (B,) tensors and its batch_counts (3,)."""
-        self._sums += torch.cat([pair_stats(out).sum(0), counts])
+    def add(self, rows: torch.Tensor, counts: torch.Tensor) -> None:
+        """A micro-batch: its row_sums and its batch_counts (3,)."""
+        self._sums += torch.cat([rows.sum(0), counts])
 
     def all_reduce(self) -> None:
         """The sums over every rank (a collective)."""
@@ -84,14 +129,14 @@ class StepSums:
 
     def loss_is_finite(self) -> torch.Tensor:
         """() bool on the device: whether the summed loss is finite."""
-        return torch.isfinite(self._sums[PAIR_METRICS.index("loss")])
+        return torch.isfinite(self._sums[0])
 
-    def totals(self, pairs: int, pairwise: bool = True) -> dict:
-        """StepStats' "means" of PAIR_METRICS over `pairs` pairs (see pair_means), "tokens",
-        "token_slots" and "flops"."""
-        tokens, slots, flops = self._sums[len(PAIR_METRICS) :].tolist()
+    def totals(self, pairwise: bool = True, listwise: bool = False) -> dict:
+        """StepStats' "means" (row_means), "pairs", "tokens", "token_slots" and "flops"."""
+        tokens, slots, flops = self._sums[ROW_COLUMNS:].tolist()
         return {
-            "means": pair_means(self._sums[: len(PAIR_METRICS)], pairs, pairwise),
+            "means": row_means(self._sums[:ROW_COLUMNS], pairwise, listwise),
+            "pairs": self._sums[ROW_COLUMNS - 2].item(),
             "tokens": tokens,
             "token_slots": slots,
             "flops": flops,
@@ -103,7 +148,10 @@ class StepStats:
     """One optimizer step, reduced over every rank: what train_dpo.train_step returns."""
 
     means: dict[str, float]
-    """Each of PAIR_METRICS ("loss", "rewards/margins", ...): its mean over the global batch."""
+    """Each of PAIR_METRICS ("loss", "rewards/margins", ...) and RANK_METRICS: its mean over the
+    global batch."""
+    pairs: float
+    """The global batch's pairs (SFT alone: its rows)."""
     tokens: float
     """Real tokens the policy ran on."""
     token_slots: float
@@ -126,7 +174,6 @@ class StepStats:
         step: int,
         lr: float,
         seconds: float,
-        pairs: int,
         peak_flops: float | None,
         elapsed: float,
     ) -> dict:
@@ -141,7 +188,7 @@ class StepStats:
             "lr": lr,
             "skipped": self.skipped,
             "tokens_per_s": self.tokens / seconds,
-            "pairs_per_s": pairs / seconds,
+            "pairs_per_s": self.pairs / seconds,
             "padding_efficiency": self.tokens / self.token_slots,
             "flops": self.flops,
             "peak_mem_gb": self.peak_memory_gb,
@@ -187,19 +234,16 @@ def forward_flops(
 
 
 def batch_counts(
-    coefficients: tuple[float, float, float], pairwise: bool, passes: int, reference: bool, batch
+    coefficients: tuple[float, float, float], passes: int, reference: bool, batch
 ) -> torch.Tensor:
-    """(3,) [tokens, token slots, model FLOPs] of a batches.PairBatch, with no sync (slots, FLOPs
-    from shapes): the policy's rows (SFT: the chosen) run `passes` forwards' worth (3: with
-    backward), a reference one on all rows."""
-    ran = batch if pairwise else batch.chosen()
-    rows, length = ran.input_ids.shape
-    flops = passes * forward_flops(coefficients, rows, length, len(ran.score_index))
-    if reference:
-        flops += forward_flops(coefficients, *batch.input_ids.shape, len(batch.score_index))
+    """(3,) [tokens, token slots, model FLOPs] of a batches.RowBatch, with no sync (slots, FLOPs
+    from shapes): the policy's rows run `passes` forwards' worth (3: with backward), a reference
+    one."""
+    rows, length = batch.input_ids.shape
+    flops = (passes + reference) * forward_flops(coefficients, rows, length, len(batch.score_index))
     return torch.stack(
         [
-            ran.attention_mask.sum().float(),
+            batch.attention_mask.sum().float(),
             torch.full((), float(rows * length), device=batch.input_ids.device),
             torch.full((), flops, device=batch.input_ids.device),
         ]
@@ -278,10 +322,15 @@ def say(msg: str) -> None:
         print(("\r\033[K" if sys.stderr.isatty() else "") + msg, file=sys.stderr, flush=True)
 
 
-def eval_line(step: int, n_pairs: int, m: dict, samples: list[dict]) -> str:
-    line = f"eval at step {step} ({n_pairs} pairs): loss {m['loss']:.4f}"
+def eval_line(step: int, n_rows: int, m: dict, samples: list[dict]) -> str:
+    line = f"eval at step {step} ({n_rows} rows): loss {m['loss']:.4f}"
     if "rewards/margins" in m:
         line += f" reward accuracy {m['rewards/accuracies']:.3f} margin {m['rewards/margins']:.3f}"
+    if "rewards/kendall_tau" in m:
+        line += (
+            f" best on top {m['rewards/best_on_top']:.3f} Kendall tau "
+            f"{m['rewards/kendall_tau']:.3f}"
+        )
     if "samples/preferred" in m:
         line += f" | demo scorer prefers {m['samples/preferred']:.0%} of samples"
     if samples:
@@ -328,16 +377,17 @@ def open_log(path: str, resume_step: int):
 
 
 def plot_metrics(jsonl_path: str, png_path: str) -> bool:
-    """Loss, reward accuracy and margin by step, metrics.jsonl into a PNG; False (none written)
-    without matplotlib."""
+    """Loss, reward accuracy, margin and the rewards' Kendall tau with the scores by step,
+    metrics.jsonl into a PNG; False (none written) without matplotlib."""
     try:
         from matplotlib.figure import Figure  # no pyplot: no global backend or state is touched
     except ImportError:
         return False
     rows = [json.loads(line) for line in pathlib.Path(jsonl_path).read_text().splitlines()]
-    fig = Figure(figsize=(15, 4))  # fixed margins: a layout engine would draw the figure twice
+    fig = Figure(figsize=(20, 4))  # fixed margins: a layout engine would draw the figure twice
     fig.subplots_adjust(left=0.055, right=0.98, bottom=0.12, top=0.93, wspace=0.2)
-    for ax, key in zip(fig.subplots(1, 3), ("loss", "rewards/accuracies", "rewards/margins")):
+    keys = ("loss", "rewards/accuracies", "rewards/margins", "rewards/kendall_tau")
+    for ax, key in zip(fig.subplots(1, len(keys)), keys):
         for split, style in (("train", "-"), ("eval", "o-")):
             points = [(r["step"], r[key]) for r in rows if r["split"] == split and key in r]
             if points:
@@ -366,18 +416,20 @@ class RunLog:
         self.wandb = None
 
     def write_data(self, summaries: dict[str, dict], fresh: bool) -> None:
-        """Show each data split's counts (data.tokenize_pairs' summary); a fresh run also logs them
+        """Show each data split's counts (data.tokenize_rows' summary); a fresh run also logs them
         at step 0."""
         for split, summary in summaries.items():
             d = {k: v for k, v in summary.items() if not isinstance(v, dict)}
             if fresh:
                 self.write({"step": 0, "split": f"data/{split}", **d})
-            if d["pairs"] or d["dropped"]:
+            if d["rows"] or d["dropped"]:
                 say(
-                    f"{split} data: {d['pairs']} pairs; dropped {d['dropped']} (empty response "
-                    f"{d['dropped_empty']}, identical {d['dropped_identical']}, of which after "
-                    f"truncation {d['identical_after_truncation']}); truncated {d['truncated']} "
-                    f"(prompts {d['truncated_prompts']}, responses {d['truncated_responses']})"
+                    f"{split} data: {d['rows']} rows of {d['responses']} responses; dropped "
+                    f"{d['dropped']} (unscored {d['dropped_unscored']}, tied {d['dropped_tied']}, "
+                    f"empty response {d['dropped_empty']}, identical {d['dropped_identical']}, of "
+                    f"which after truncation {d['identical_after_truncation']}); truncated "
+                    f"{d['truncated']} (prompts {d['truncated_prompts']}, responses "
+                    f"{d['truncated_responses']})"
                 )
             elif split == "eval":
                 say("no --eval-data or --eval-fraction: evaluation skipped")

@@ -12,9 +12,10 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Annotated, Literal
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
+from typing import Annotated, Literal, get_type_hints
 
+import docstring_parser
 import safetensors.torch
 import torch
 import torch.distributed as dist
@@ -144,6 +145,7 @@ _SAME_RUN = {
         "truncation",
         "group_by_length",
         "share_prompt",
+        "pairs",
         "lora_rank",
         "lora_alpha",
         "lora_targets",
@@ -206,7 +208,7 @@ def train(cfg: Config, device: torch.device) -> int:
             fsdp_setup.mix_into(run.reference, run.policy, cfg.objective.ref_model_mixup_alpha)
 
         now = time.perf_counter()
-        row = stats.row(done, lr, now - step_t0, cfg.batching.batch_size, peak_flops, now - t0)
+        row = stats.row(done, lr, now - step_t0, peak_flops, now - t0)
         log.write(row)
         metrics.show_progress(done, run.steps.total_steps, row)
         bad_steps = precision.count_bad_steps(
@@ -257,7 +259,7 @@ def train_step(
     lr: float,
     stop: checkpoint.StopRequest,
 ) -> metrics.StepStats:
-    """One optimizer step at learning rate `lr` on the global `batch` of pair indices, of which
+    """One optimizer step at learning rate `lr` on the global `batch` of row indices, of which
     this rank takes its share: for each micro-batch, the forward (reference, then policy), the loss
     and backward (scaled for fp16); then the statistics reduced over the ranks, fp16's unscale, the
     clip, and the update, skipped on every rank if any saw a non-finite loss or gradient norm."""
@@ -266,33 +268,36 @@ def train_step(
     for group in optimizer.param_groups:
         group["lr"] = lr
     mine = batches.rank_share(batch, dist.get_rank(), dist.get_world_size())
-    # sft's NLL is a token mean over the global batch: each pair's share is over its mean length.
-    tokens_per_pair = run.train.mean_chosen(batch) if "sft" in cfg.objective.loss else None
-    micro_size = cfg.batching.micro_batch_size
+    # The objective is the mean loss over the global batch's pairs (over its rows for a listwise
+    # loss or SFT alone): counted on the host from the scores, so each rank's sum over its own is
+    # scaled alike, and FSDP's average over the ranks gives that mean.
+    n_pairs, tokens = batches.pair_counts(
+        run.train, batch, cfg.batching.pairs, run.layout["best_only"]
+    )
+    units = len(batch) if cfg.objective.listwise else n_pairs
     sums = metrics.StepSums(run.device)
 
     micro_batches = batches.micro_batches(
-        run.train, mine, micro_size, run.pad_id, run.device, cfg.batching.share_prompt
+        run.train, mine, cfg.batching.micro_batch_size, run.pad_id, run.device, **run.layout
     )
-    for i, (idx, pairs) in enumerate(micro_batches):
+    for i, (idx, rows) in enumerate(micro_batches):
         # By default each micro-batch's gradient is reduce-scattered at once, so that no rank holds
         # a full gradient.
-        last = (i + 1) * micro_size >= len(mine)
+        last = (i + 1) * cfg.batching.micro_batch_size >= len(mine)
         run.policy.set_requires_gradient_sync(last or not cfg.fsdp.unsharded_grad_accumulation)
-        out = pair_losses(run, "train", idx, pairs, tokens_per_pair)
-        # Over the rank's pairs: FSDP averages gradients over the ranks, so the gradient is that of
-        # the mean loss over the global batch.
-        scaler.scale(out["losses"].sum() / len(mine)).backward()
+        # sft's NLL is a token mean over the step's preferred responses: each pair's share is
+        # over their mean length.
+        out = pair_losses(run, "train", idx, rows, tokens / n_pairs)
+        scaler.scale(out["losses"].sum() * (dist.get_world_size() / units)).backward()
         sums.add(
-            out,
+            metrics.row_sums(out, rows, cfg.objective.pairwise, cfg.objective.listwise),
             metrics.batch_counts(
                 run.flop_coefficients,
-                cfg.objective.pairwise,
                 # The policy's forward and backward are 3 forwards' worth of FLOPs, or 2 with LoRA,
                 # whose frozen weights get no gradient.
                 2 if cfg.lora.lora_rank else 3,
                 run.reference is not None,
-                pairs,
+                rows,
             ),
         )
 
@@ -316,7 +321,7 @@ def train_step(
     # Read on the host once the update is queued: no wait for the device before it.
     peak_memory_gb, stop_requested = maxima.tolist()
     return metrics.StepStats(
-        **sums.totals(cfg.batching.batch_size, cfg.objective.pairwise),
+        **sums.totals(cfg.objective.pairwise, cfg.objective.listwise),
         grad_norm=grad_norm.item(),
         skipped=skipped,
         peak_memory_gb=peak_memory_gb,
@@ -326,19 +331,13 @@ def train_step(
 
 
 def pair_losses(
-    run: "Run", split: str, idx: list[int], pairs: batches.PairBatch, tokens_per_pair: float | None
+    run: "Run", split: str, idx: list[int], rows: batches.RowBatch, tokens_per_pair: float
 ) -> dict[str, torch.Tensor]:
-    """loss.pair_loss's (B,) tensors for the micro-batch `pairs` (indices `idx` in `split`): the
-    reference's log-probs (with --ref precompute, from its table), then the policy's, and the
-    objective's losses."""
-    ref_logps = None
-    if run.ref_tables:
-        ref_logps = batches.table_rows(run.ref_tables[split], idx)
-    logps, ref_logps, log_weights = loss.pair_logps(
-        run.policy, run.reference, pairs, run.cfg.objective, ref_logps
-    )
-    return loss.pair_loss(
-        logps, ref_logps, pairs.response_lengths, run.cfg.objective, tokens_per_pair, log_weights
+    """loss.batch_loss of the micro-batch `rows` (indices `idx` in `split`), the reference's
+    log-probs from its table with --ref precompute."""
+    ref_logps = batches.table_rows(run.ref_tables[split], idx, rows) if run.ref_tables else None
+    return loss.batch_loss(
+        run.policy, run.reference, rows, run.cfg.objective, ref_logps, tokens_per_pair
     )
 
 
@@ -363,19 +362,24 @@ def evaluate_and_sample(run: "Run", log: metrics.RunLog, step: int, t0: float) -
     if not len(run.eval):
         return
 
-    def pair_rows(idx, pairs):  # (B, len(PAIR_METRICS))
-        return metrics.pair_stats(pair_losses(run, "eval", idx, pairs, run.eval.mean_chosen()))
+    n_pairs, tokens = batches.pair_counts(
+        run.eval, range(len(run.eval)), run.cfg.batching.pairs, run.layout["best_only"]
+    )
+
+    def row_sums(idx, rows):  # (B, metrics.ROW_COLUMNS)
+        out = pair_losses(run, "eval", idx, rows, tokens / n_pairs)
+        return metrics.row_sums(out, rows, run.cfg.objective.pairwise, run.cfg.objective.listwise)
 
     # Every rank evaluates and generates (FSDP needs them all); rank 0 writes.
     with fsdp_setup.inference(run.policy):
-        table = batches.pair_table(
+        table = batches.row_table(
             run.eval,
-            len(metrics.PAIR_METRICS),
-            pair_rows,
+            (metrics.ROW_COLUMNS,),
+            row_sums,
             run.cfg.batching.micro_batch_size,
             run.pad_id,
             run.device,
-            run.cfg.batching.share_prompt,
+            **run.layout,
         )
         completions = samples.sample_completions(
             run.policy,
@@ -389,12 +393,9 @@ def evaluate_and_sample(run: "Run", log: metrics.RunLog, step: int, t0: float) -
             run.cfg.seed,
             run.device,
         )
-    means = metrics.pair_means(table.sum(0), len(run.eval), run.cfg.objective.pairwise)
+    means = metrics.row_means(table.sum(0), run.cfg.objective.pairwise, run.cfg.objective.listwise)
     rows = [{"step": step, **c} for c in completions]
-    if run.demo is not None and completions:
-        # The demo's ground truth: the shares of samples in the chosen and in the rejected style.
-        means.update(demo.score_samples([c["completion"] for c in completions]))
-        run.demo.append((step, means["samples/preferred"], rows[0]))
+    demo.record_samples(run.demo, step, means, rows)
     log.write({"step": step, "split": "eval", **means, "elapsed_s": time.perf_counter() - t0}, rows)
     metrics.say(metrics.eval_line(step, len(run.eval), means, rows))
 
@@ -408,8 +409,8 @@ class Run:
     device: torch.device
     precision: precision.Precision
     tokenizer: transformers.PreTrainedTokenizerBase
-    train: data.PairTokens
-    eval: data.PairTokens
+    train: data.RowTokens
+    eval: data.RowTokens
     data: dict  # the tokenized data's summary: fingerprint, sha256, counts
     # The built-in demo's evaluations, [(step, preferred share, first sample)]: its samples have a
     # ground-truth scorer. None for other data.
@@ -421,7 +422,11 @@ class Run:
     # None with --ref precompute or a reference-free loss; with LoRA, the policy's base.
     reference: torch.nn.Module | None
     flop_coefficients: tuple[float, float, float]  # metrics.flop_coefficients of the policy
-    # --ref precompute: "train" and "eval", each (N, 2) [chosen, rejected] log-probs.
+    # How batches lay out rows: batches.collate_rows' share_prompt, pairs and best_only (SFT alone
+    # scores each row's best response, and no pairs).
+    layout: dict
+    # --ref precompute: "train" and "eval", each batches.row_table's (N, K) per-response log-probs,
+    # or with --ld-alpha (N, K, K), per pair.
     ref_tables: dict = field(default_factory=dict)
 
 
@@ -439,14 +444,17 @@ def setup(cfg: Config, device: torch.device) -> tuple[Run, torch.optim.Optimizer
     model_config = models.load_model_config(cfg.model, tokenizer, cfg.dataset.max_length)
     # A bad --lora-targets (or --export-merged) fails here, before any weights are read.
     probe = prepare_model(cfg, models.build_model(model_config))
-    shares = loss.takes_shared_prompt(probe.config)
-    if cfg.batching.share_prompt and not shares:
+    # A probe of the model's own kind, cut down: whether shared rows score as separate ones.
+    refusal = loss.shared_prompt_refusal(probe.config)
+    if cfg.batching.share_prompt and refusal:
         metrics.say(
             f"note: {model_config.model_type} with {probe.config._attn_implementation} attention "
-            "is not known to score a shared prompt exactly: separate rows (--no-share-prompt)"
+            f"does not score a shared prompt exactly ({refusal}): separate rows (--no-share-prompt)"
         )
-    # SFT alone runs no rejected responses to share a prompt with.
-    cfg.batching = cfg.batching.resolve(dist.get_world_size(), shares and cfg.objective.pairwise)
+    # SFT alone runs no other responses to share a prompt with.
+    cfg.batching = cfg.batching.resolve(
+        dist.get_world_size(), not refusal and cfg.objective.pairwise
+    )
     # The demo's files are data like any other, written once by rank 0.
     dataset, is_demo = fsdp_setup.on_rank0(demo.demo_config, cfg.dataset, data.write_jsonl)
     train_pairs, eval_pairs, summary = data.load_tokens(
@@ -503,10 +511,15 @@ def setup(cfg: Config, device: torch.device) -> tuple[Run, torch.optim.Optimizer
         policy=policy,
         reference=reference,
         flop_coefficients=metrics.flop_coefficients(policy),
+        layout={
+            "share_prompt": cfg.batching.share_prompt,
+            "pairs": cfg.batching.pairs,
+            "best_only": not cfg.objective.pairwise,
+        },
     )
     metrics.say(
         f"{cfg.model}: {metrics.sharded_line(policy)}, {mixed.name}, {steps.total_steps} steps x "
-        f"{cfg.batching.batch_size} pairs; peak host memory after loading, GB by rank: "
+        f"{cfg.batching.batch_size} rows; peak host memory after loading, GB by rank: "
         + " ".join(f"{x:.2f}" for x in metrics.host_memory_by_rank_gb(device))
     )
     if cfg.objective.ref == "precompute" and not cfg.objective.reference_free:
@@ -554,9 +567,10 @@ def prepare_model(cfg: Config, model):
 
 
 def load_or_precompute_ref(run: Run, model_config) -> dict[str, torch.Tensor]:
-    """--ref precompute's {"train", "eval"}: (N, 2) [chosen, rejected] summed log-probs of the
-    untrained policy (LoRA: adapters off), cached in {cache_dir}/ref-<hash>.safetensors, keyed by
-    all they depend on."""
+    """--ref precompute's {"train", "eval"}: (N, K) summed log-probs of each row's responses by the
+    untrained policy (LoRA: adapters off), or with --ld-alpha (N, K, K) of each response against
+    each it pairs with; cached in {cache_dir}/ref-<hash>.safetensors, keyed by all they depend
+    on."""
     key = {
         # Rank 0's identity of the model: file times may differ between nodes.
         "model": fsdp_setup.on_rank0(
@@ -567,6 +581,8 @@ def load_or_precompute_ref(run: Run, model_config) -> dict[str, torch.Tensor]:
         "ld_alpha": run.cfg.objective.ld_alpha,
         # The layout changes the sums' rounding: a table made in one is not the other's.
         "share_prompt": run.cfg.batching.share_prompt,
+        # LD-DPO's entries are of the pairs made.
+        "pairs": run.cfg.batching.pairs,
     }
     path = os.path.join(run.cfg.dataset.cache_dir, f"ref-{data.key_digest(key)[:20]}.safetensors")
     if fsdp_setup.on_rank0(os.path.exists, path):
@@ -574,22 +590,23 @@ def load_or_precompute_ref(run: Run, model_config) -> dict[str, torch.Tensor]:
         return safetensors.torch.load_file(path, device=str(run.device))
     reference = lora.WithoutAdapters(run.policy) if run.cfg.lora.lora_rank else run.policy
 
-    def chosen_rejected(idx, pairs):
-        # (2B,) [chosen; rejected] -> (B, 2)
-        return loss.response_logps(reference, pairs, run.cfg.objective.ld_alpha).view(2, -1).T
+    ld_alpha = run.cfg.objective.ld_alpha
+
+    def logps(rows):  # (R,), or (2P,) pair sides with --ld-alpha
+        return loss.response_logps(reference, rows, ld_alpha)
 
     with fsdp_setup.inference(run.policy):
         tables = {
-            split: batches.pair_table(
-                pairs,
-                2,
-                chosen_rejected,
+            split: batches.response_table(
+                tokens,
+                logps,
+                ld_alpha is not None,
                 run.cfg.batching.micro_batch_size,
                 run.pad_id,
                 run.device,
-                run.cfg.batching.share_prompt,
+                **run.layout,
             )
-            for split, pairs in (("train", run.train), ("eval", run.eval))
+            for split, tokens in (("train", run.train), ("eval", run.eval))
         }
 
     def write(tmp: str) -> None:
@@ -601,7 +618,7 @@ def load_or_precompute_ref(run: Run, model_config) -> dict[str, torch.Tensor]:
 
     fsdp_setup.on_rank0(data.write_atomic, path, write, share=False)
     metrics.say(
-        f"reference log-probs: computed {len(run.train) + len(run.eval)} pairs, cached at {path}"
+        f"reference log-probs: computed {len(run.train) + len(run.eval)} rows, cached at {path}"
     )
     return tables
 
@@ -614,7 +631,7 @@ def save(run: Run, saver: checkpoint.Checkpointer, optimizer, step: int) -> str:
         **_identity(run.cfg, run.data),
         "data_position": {
             "epoch": step // run.steps.steps_per_epoch,
-            "pairs_consumed": step % run.steps.steps_per_epoch * run.cfg.batching.batch_size,
+            "rows_consumed": step % run.steps.steps_per_epoch * run.cfg.batching.batch_size,
         },
         "schedule": {
             "lr": run.cfg.lr,
@@ -686,8 +703,22 @@ def _raise_config_error(event) -> None:
         raise ValueError(event.message)
 
 
+def _flowing_help(config_class) -> None:
+    """tyro prints a field's docstring with its source's line breaks, ragged in a terminal: give
+    each field of `config_class` and of its sub-configs its docstring as flowing paragraphs, as
+    "help" in the field's metadata, which tyro prefers. docstring_parser is tyro's own reader."""
+    for doc in docstring_parser.parse_from_object(config_class).params:
+        paragraphs = (" ".join(lines.split()) for lines in doc.description.split("\n\n"))
+        field_ = config_class.__dataclass_fields__[doc.arg_name]
+        field_.metadata = {**field_.metadata, "help": "\n\n".join(paragraphs)}
+    for hint in get_type_hints(config_class).values():
+        if is_dataclass(hint):
+            _flowing_help(hint)
+
+
 def main(argv: list[str] | None = None) -> None:
     transformers.utils.logging.disable_progress_bar()
+    _flowing_help(Config)
     argv = sys.argv[1:] if argv is None else argv
     try:
         # Repeated --data, --eval-data, --loss flags append.
