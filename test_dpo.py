@@ -2775,7 +2775,6 @@ def _shared_config(kind):
         max_position_embeddings=256,
     )
     moe = dict(common, num_experts_per_tok=2, intermediate_size=48)
-    gpt2 = dict(vocab_size=300, n_positions=256, n_embd=64, n_layer=2, n_head=4)
     opt = dict(
         vocab_size=300,
         hidden_size=64,
@@ -2784,7 +2783,8 @@ def _shared_config(kind):
         num_attention_heads=4,
         max_position_embeddings=256,
     )
-    neox = {k: v for k, v in common.items() if k != "num_key_value_heads"}
+    gpt = dict(vocab_size=300, n_positions=256, n_embd=64, n_layer=2, n_head=4)
+    no_kv = {k: v for k, v in common.items() if k != "num_key_value_heads"}
     made = {
         "llama": (transformers.LlamaConfig, common),
         "mistral": (transformers.MistralConfig, dict(common, sliding_window=8)),
@@ -2797,9 +2797,40 @@ def _shared_config(kind):
         ),
         "gemma": (transformers.GemmaConfig, dict(common, head_dim=16)),
         "gemma2": (transformers.Gemma2Config, dict(common, head_dim=16, sliding_window=8)),
-        "gpt2": (transformers.GPT2Config, gpt2),
-        "gpt_neox": (transformers.GPTNeoXConfig, neox),
+        "gpt2": (transformers.GPT2Config, gpt),
+        "gpt_neox": (transformers.GPTNeoXConfig, no_kv),
+        "phi3": (transformers.Phi3Config, dict(common, pad_token_id=0)),
+        "olmo2": (transformers.Olmo2Config, dict(common, pad_token_id=0)),
+        "granite": (transformers.GraniteConfig, common),
+        "cohere": (transformers.CohereConfig, dict(common, pad_token_id=0)),
+        "stablelm": (transformers.StableLmConfig, common),
+        "starcoder2": (transformers.Starcoder2Config, dict(common, sliding_window=8)),
+        "gemma3_text": (
+            transformers.Gemma3TextConfig,
+            dict(
+                common,
+                head_dim=16,
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"],
+            ),
+        ),
+        "smollm3": (transformers.SmolLM3Config, dict(common, pad_token_id=0)),
+        "qwen2_moe": (
+            transformers.Qwen2MoeConfig,
+            dict(
+                moe,
+                num_experts=4,
+                moe_intermediate_size=48,
+                shared_expert_intermediate_size=48,
+            ),
+        ),
         "opt": (transformers.OPTConfig, opt),
+        "falcon": (transformers.FalconConfig, no_kv),
+        "gptj": (transformers.GPTJConfig, dict(gpt, rotary_dim=8)),
+        "bloom": (
+            transformers.BloomConfig,
+            dict(vocab_size=300, hidden_size=64, n_layer=2, n_head=4),
+        ),
     }
     config_class, kwargs = made[kind]
     return config_class(**kwargs)
@@ -6043,77 +6074,8 @@ EAGER = {"gemma2", "gptj", "bloom"}
 
 
 def _tiny_config(kind):
-    """A tiny random config of `kind`, in the attention the trainer builds it with. Sliding windows
-    (8) are shorter than the rows, so a window the mask misses shows."""
-    common = dict(
-        vocab_size=300,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=96,
-        max_position_embeddings=256,
-    )
-    moe = dict(common, num_experts_per_tok=2, intermediate_size=48)
-    opt = dict(
-        vocab_size=300,
-        hidden_size=64,
-        num_hidden_layers=2,
-        ffn_dim=96,
-        num_attention_heads=4,
-        max_position_embeddings=256,
-    )
-    gpt = dict(vocab_size=300, n_positions=256, n_embd=64, n_layer=2, n_head=4)
-    no_kv = {k: v for k, v in common.items() if k != "num_key_value_heads"}
-    made = {
-        "llama": (transformers.LlamaConfig, common),
-        "mistral": (transformers.MistralConfig, dict(common, sliding_window=8)),
-        "mixtral": (transformers.MixtralConfig, dict(moe, sliding_window=8, num_local_experts=4)),
-        "qwen2": (transformers.Qwen2Config, common),
-        "qwen3": (transformers.Qwen3Config, dict(common, head_dim=16)),
-        "qwen3_moe": (
-            transformers.Qwen3MoeConfig,
-            dict(moe, head_dim=16, num_experts=4, moe_intermediate_size=48),
-        ),
-        "gemma": (transformers.GemmaConfig, dict(common, head_dim=16)),
-        "gemma2": (transformers.Gemma2Config, dict(common, head_dim=16, sliding_window=8)),
-        "gpt2": (transformers.GPT2Config, gpt),
-        "gpt_neox": (transformers.GPTNeoXConfig, no_kv),
-        "phi3": (transformers.Phi3Config, dict(common, pad_token_id=0)),
-        "olmo2": (transformers.Olmo2Config, dict(common, pad_token_id=0)),
-        "granite": (transformers.GraniteConfig, common),
-        "cohere": (transformers.CohereConfig, dict(common, pad_token_id=0)),
-        "stablelm": (transformers.StableLmConfig, common),
-        "starcoder2": (transformers.Starcoder2Config, dict(common, sliding_window=8)),
-        "gemma3_text": (
-            transformers.Gemma3TextConfig,
-            dict(
-                common,
-                head_dim=16,
-                sliding_window=8,
-                layer_types=["sliding_attention", "full_attention"],
-            ),
-        ),
-        "smollm3": (transformers.SmolLM3Config, dict(common, pad_token_id=0)),
-        "qwen2_moe": (
-            transformers.Qwen2MoeConfig,
-            dict(
-                moe,
-                num_experts=4,
-                moe_intermediate_size=48,
-                shared_expert_intermediate_size=48,
-            ),
-        ),
-        "opt": (transformers.OPTConfig, opt),
-        "falcon": (transformers.FalconConfig, no_kv),
-        "gptj": (transformers.GPTJConfig, dict(gpt, rotary_dim=8)),
-        "bloom": (
-            transformers.BloomConfig,
-            dict(vocab_size=300, hidden_size=64, n_layer=2, n_head=4),
-        ),
-    }
-    config_class, kwargs = made[kind]
-    config = config_class(**kwargs)
+    """_shared_config's `kind`, in the attention the trainer builds it with."""
+    config = _shared_config(kind)
     config._attn_implementation = "eager" if kind in EAGER else "sdpa"
     return config
 
