@@ -94,6 +94,11 @@ def score_completion(text: str) -> int:
     return int(bool(words & {*_GOOD, "5/5"})) - int(bool(words & {*_BAD, "1/5"}))
 
 
+def score_response(prompt: str, completion: str) -> float:
+    """score_completion as generate.py's --reward demo calls it: (prompt, completion) -> score."""
+    return float(score_completion(completion))
+
+
 def score_samples(completions: list[str]) -> dict[str, float]:
     """The shares of completions in the chosen style ("samples/preferred") and in the rejected
     one."""

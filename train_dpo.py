@@ -27,12 +27,12 @@ import checkpoint
 import data
 import demo
 import fsdp_setup
+import generate
 import lora
 import loss
 import metrics
 import models
 import precision
-import samples
 from lora import LoraConfig
 
 # Every sub-config's flags are top-level: --beta, not --objective.beta.
@@ -64,7 +64,9 @@ class Config:
     # Imported by name: in this annotation, read after the assignment, `lora` would be the field
     # just assigned, not the module.
     lora: Annotated[LoraConfig, _FLAGS] = field(default_factory=LoraConfig)
-    sampling: Annotated[samples.SampleConfig, _FLAGS] = field(default_factory=samples.SampleConfig)
+    sampling: Annotated[generate.SampleConfig, _FLAGS] = field(
+        default_factory=generate.SampleConfig
+    )
     checkpoints: Annotated[checkpoint.CheckpointConfig, _FLAGS] = field(
         default_factory=checkpoint.CheckpointConfig
     )
@@ -381,7 +383,7 @@ def evaluate_and_sample(run: "Run", log: metrics.RunLog, step: int, t0: float) -
             run.device,
             **run.layout,
         )
-        completions = samples.sample_completions(
+        completions = generate.sample_completions(
             run.policy,
             run.tokenizer,
             [

@@ -1,0 +1,606 @@
+"""Completions from a causal LM that may be sharded with FSDP2 over N ranks, without hanging: the
+trainer's evaluation samples (SampleConfig), and on-policy rows (GenerateConfig, the command line):
+K sampled responses per prompt, each scored, written as the K-response rows train_dpo.py reads.
+
+Copyable on its own: imports the standard library, torch and transformers (tyro for the command
+line).
+
+    completions = generate(model, [prompt_ids, ...], 48, eos_id=tok.eos_token_id, pad_id=0)
+    # [{"prompt", "completion"}, ...]
+    rows = sample_completions(model, tok, [prompt_ids, ...], SampleConfig(), pad_id=0)
+    # 4 samples per prompt of a file, scored by the demo's ground truth, on 2 ranks:
+    torchrun --nproc_per_node=2 generate.py --model runs/cache/demo-sft/final \
+        --data runs/cache/demo-train.jsonl --num-generations 4 --reward demo --out runs/rows.jsonl
+"""
+
+import importlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch.distributed.fsdp import fully_shard
+
+
+@dataclass
+class SampleConfig:
+    eval_every: int = 0
+    """Evaluate on the held-out set every N steps; 0 means only at the end (and before, with
+    --eval-before)."""
+    eval_before: bool = True
+    """Also evaluate and sample before the first step: the baseline of the curves and of the demo's
+    scorer share."""
+    num_samples: int = 8
+    """At each evaluation, complete the first N held-out prompts into {out_dir}/samples.jsonl; 0
+    disables."""
+    sample_max_tokens: int = 64
+    """Most new tokens per sampled completion."""
+    sample_temperature: float = 0.0
+    """0: greedy completions; above 0: sampled at this temperature with a generator seeded by
+    --seed."""
+
+    def __post_init__(self):
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every must be >= 0, got {self.eval_every}")
+        if self.num_samples < 0:
+            raise ValueError(f"--num-samples must be >= 0, got {self.num_samples}")
+        if self.sample_max_tokens < 1:
+            raise ValueError(f"--sample-max-tokens must be >= 1, got {self.sample_max_tokens}")
+        if self.sample_temperature < 0:
+            raise ValueError(f"--sample-temperature must be >= 0, got {self.sample_temperature}")
+
+
+def sample_completions(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    config: SampleConfig,
+    pad_id: int,
+    seed: int = 0,
+    device: torch.device | None = None,
+) -> list[dict[str, str]]:
+    """generate's completions under `config` as {"prompt", "completion"} texts; a collective like
+    generate."""
+    if not prompts:
+        return []
+    completions = generate(
+        model,
+        prompts,
+        config.sample_max_tokens,
+        tokenizer.eos_token_id,
+        pad_id,
+        config.sample_temperature,
+        seed,
+        device,
+    )
+    return [
+        {
+            "prompt": tokenizer.decode(p, skip_special_tokens=True),
+            "completion": tokenizer.decode(c, skip_special_tokens=True),
+        }
+        for p, c in zip(prompts, completions)
+    ]
+
+
+@dataclass
+class GenerateConfig:
+    model: str = "runs/cache/demo-sft/final"
+    """The policy to sample from: a Hugging Face hub id or folder, such as a run's {out_dir}/final
+    (default: the demo's SFT stage, which train_dpo.py writes on its first default run)."""
+    data: str = "runs/cache/demo-train.jsonl"
+    """The prompts: a .jsonl or .json file, or hub:NAME[:split] (needs datasets), whose rows each
+    have a "prompt", text or a list of messages; any other field is ignored (default: the demo's
+    training prompts, which train_dpo.py writes on its first default run)."""
+    out: str = "runs/onpolicy/rows.jsonl"
+    """Where the rows go, as JSON Lines {"prompt", "responses", "scores"}, in the prompts' order;
+    the settings and the time go next to it, in {out}.json."""
+    num_generations: int = 4
+    """K: completions sampled per prompt."""
+    temperature: float = 1.0
+    """Sampling temperature; 0: greedy (the K completions are then all alike)."""
+    top_p: float = 1.0
+    """Sample from the smallest set of tokens whose probabilities reach this share; 1: all."""
+    max_new_tokens: int = 64
+    """Most new tokens per completion."""
+    seed: int = 0
+    """Each completion is sampled from a generator of its own, seeded by (seed, the prompt's place
+    in the data, its number among the K): the same seed writes the same file on any number of
+    ranks."""
+    reward: str = "demo"
+    """The scorer: "demo" (the demo's ground truth, +1, 0 or -1), "module:function" (a Python
+    callable (prompt, completion) -> float, importable from the working directory), or a Hugging
+    Face sequence-classification reward model's hub id or folder (one score per text), which scores
+    the conversation as its own chat template writes it."""
+    batch_size: int = 8
+    """Prompts per forward (each with its K completions)."""
+    skip_prompts: int = 0
+    """Start at this prompt of the data: a round's slice begins here."""
+    max_prompts: int = 0
+    """Take at most this many prompts from there; 0: all the rest."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """The weights' dtype: auto is bf16 on a GPU and fp32 on a CPU."""
+
+    def __post_init__(self):
+        if self.num_generations < 1:
+            raise ValueError(f"--num-generations must be >= 1, got {self.num_generations}")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.skip_prompts < 0 or self.max_prompts < 0:
+            raise ValueError("--skip-prompts and --max-prompts must be >= 0")
+
+
+# Compiled blocks run eager here: generation's variants (KV cache, one-token queries, one per layer
+# index) would fill the training graph's recompile limit, past which training runs eager too.
+@torch.no_grad()
+@torch.compiler.set_stance("force_eager")
+def generate(
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    device: torch.device | None = None,
+    top_p: float = 1.0,
+    num_generations: int = 1,
+    first: int = 0,
+) -> list[list[int]]:
+    """Each prompt's `num_generations` completions (prompt by prompt), ids without EOS: greedy at
+    temperature 0, else sampled, each from a generator of its own seeded by (`seed`, `first` + the
+    prompt's index, the completion's number), so that a prompt gets the same completions in any
+    batch of the same prompts on any rank. Each prompt is prefilled once and its KV cache repeated
+    for its completions. A collective under torch.distributed, as every FSDP2 forward is one: call
+    it on every rank. Unlike Hugging Face's `generate`, which stops when this rank's sequences end
+    and hangs the others, ranks stop together. An FSDP2 model's blocks stay gathered for the whole
+    generation where they fit, rather than gathered again for each token, then resharded. device:
+    where forward runs (default: the parameters'; give it when they are offloaded to the host)."""
+    device = device or next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    # Left-padded, (B, P): every prompt ends where generation starts.
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    generators = [
+        torch.Generator(device).manual_seed(
+            random.Random(f"{seed}/{first + i}/{k}").getrandbits(63)
+        )
+        for i in range(len(prompts))
+        for k in range(num_generations)
+    ]
+    done = torch.zeros(len(generators), dtype=torch.bool, device=device)
+    # The new tokens, step by step, and the KV cache.
+    out = []
+    cache = None
+    was_training = model.training
+    model.eval()
+    kept = _keep_gathered(model, device)
+    for step in range(max_new_tokens):
+        result = model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        cache = result.past_key_values
+        logits = result.logits[:, -1].float()  # (B, V)
+        if step == 0 and num_generations > 1:
+            # The prompts' forward once; each of their caches repeated for its K completions, as
+            # the rows after it, (B * K, ...).
+            cache.batch_repeat_interleave(num_generations)
+            logits = logits.repeat_interleave(num_generations, dim=0)
+            mask = mask.repeat_interleave(num_generations, dim=0)
+            positions = positions.repeat_interleave(num_generations, dim=0)
+        token = _next_tokens(logits, temperature, top_p, generators)
+        token = token.masked_fill(done, pad_id)
+        out.append(token)
+        done |= token == eos_id
+        all_done = done.all().float()
+        # Stop only when every rank is done.
+        if dist.is_initialized():
+            dist.all_reduce(all_done, op=dist.ReduceOp.MIN)
+        if all_done.item():
+            break
+        # (B * K, 1): the cache holds the rest.
+        input_ids = token[:, None]
+        positions = positions[:, -1:] + 1
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    model.train(was_training)
+    # Training's settings back, and only shards in memory again.
+    for group, setting in kept:
+        group.post_forward_mesh_info = setting
+        group.reshard()
+    # Each row of (B * K, new tokens) cut at its EOS.
+    return [
+        row[: row.index(eos_id)] if eos_id in row else row
+        for row in torch.stack(out, dim=1).tolist()
+    ]
+
+
+def _next_tokens(
+    logits: torch.Tensor, temperature: float, top_p: float, generators: list
+) -> torch.Tensor:
+    """(B,) tokens after (B, V) float32 logits: the argmax at temperature 0; else row i's draw from
+    softmax(logits / temperature), cut to the top-p nucleus, by generators[i]. The draw is
+    Gumbel-max (the argmax of the logits plus Gumbel noise is a sample of their softmax), so each
+    row's noise comes from its own generator."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_p < 1:
+        ranked, order = logits.sort(-1, descending=True)
+        probs = ranked.softmax(-1)
+        # The tokens past the smallest set reaching top_p; the first is always kept.
+        outside = probs.cumsum(-1) - probs >= top_p
+        logits = logits.scatter(-1, order, ranked.masked_fill(outside, -math.inf))
+    noise = torch.stack(
+        [torch.rand(logits.shape[-1], generator=g, device=logits.device) for g in generators]
+    )
+    return (logits - (-noise.log()).log()).argmax(-1)
+
+
+def generate_rows(
+    model, tokenizer, prompts: list, config: GenerateConfig, score, device: torch.device
+) -> tuple[list[dict], int]:
+    """(rows, tokens generated) on rank 0, ([], 0) elsewhere: for each prompt (text or messages) its
+    K completions and their scores by score(prompts, completions) -> floats, as {"prompt",
+    "responses", "scores"} in the prompts' order. Batches of --batch-size prompts are dealt to the
+    ranks in turn, formed alike on any number of ranks."""
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    starts = range(0, len(prompts), config.batch_size)
+    k = config.num_generations
+    rows = []
+    tokens = 0
+    t0 = time.perf_counter()
+    # Every rank runs as many batches, since each forward is a collective: a rank past the end
+    # repeats the first batch and drops its rows.
+    for turn in range(-(-len(starts) // world)):
+        b = turn * world + rank
+        first = starts[b] if b < len(starts) else 0
+        batch = prompts[first : first + config.batch_size]
+        completions = generate(
+            model,
+            [_prompt_ids(p, tokenizer, f"prompt {first + i + 1}") for i, p in enumerate(batch)],
+            config.max_new_tokens,
+            tokenizer.eos_token_id,
+            tokenizer.pad_token_id,
+            config.temperature,
+            config.seed,
+            device,
+            config.top_p,
+            k,
+            first,
+        )
+        texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        scores = _checked_scores(score([p for p in batch for _ in range(k)], texts), config.reward)
+        if b < len(starts):
+            tokens += sum(min(len(c) + 1, config.max_new_tokens) for c in completions)
+            rows += [
+                {
+                    "index": first + i,
+                    "prompt": prompt,
+                    "responses": [_response(prompt, t) for t in texts[i * k : (i + 1) * k]],
+                    "scores": scores[i * k : (i + 1) * k],
+                }
+                for i, prompt in enumerate(batch)
+            ]
+        if rank == 0:
+            done = min((turn + 1) * world * config.batch_size, len(prompts))
+            rate = tokens * world / (time.perf_counter() - t0)
+            print(f"generate: {done}/{len(prompts)} prompts, {rate:.0f} tokens/s", flush=True)
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object((rows, tokens), gathered)
+    if rank:
+        return [], 0
+    rows = sorted((row for part, _ in gathered for row in part), key=_index)
+    return [{k: v for k, v in row.items() if k != "index"} for row in rows], sum(
+        n for _, n in gathered
+    )
+
+
+def _index(row: dict) -> int:
+    return row["index"]
+
+
+def _prompt_ids(prompt, tokenizer, where: str) -> list[int]:
+    """A prompt's ids as train_dpo.py's data reads them, so that the completions are on-policy for
+    the rows it trains on: a message list through the chat template with its generation prompt;
+    text as it is, after the tokenizer's leading special tokens (BOS) unless it has them."""
+    if isinstance(prompt, list):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                f"{where}: message lists need a chat template, and the tokenizer has none"
+            )
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    full = tokenizer(prompt)["input_ids"]
+    prefix = next(
+        (full[:i] for i in range(len(full) - len(ids) + 1) if full[i : i + len(ids)] == ids), []
+    )
+    return ids if ids[: len(prefix)] == prefix else prefix + ids
+
+
+def _response(prompt, text: str):
+    """A completion as the rows hold it: text after a text prompt, an assistant turn after
+    messages."""
+    if isinstance(prompt, list):
+        return [{"role": "assistant", "content": text}]
+    return text
+
+
+def _checked_scores(scores, reward: str) -> list[float]:
+    scores = [float(s) for s in scores]
+    bad = next((s for s in scores if not math.isfinite(s)), None)
+    if bad is not None:
+        raise ValueError(f"--reward {reward}: gave {bad}, not a finite score")
+    return scores
+
+
+def read_prompts(spec: str) -> list:
+    """Each row's "prompt" of a .jsonl or .json file, or of hub:NAME[:split]; a ValueError naming
+    the file and line (or row) of a bad one."""
+    if spec.startswith("hub:"):
+        try:
+            import datasets
+        except ImportError:
+            raise ValueError(
+                f"--data {spec}: needs the datasets package: pip install datasets"
+            ) from None
+        name, _, split = spec[len("hub:") :].partition(":")
+        rows = [
+            (f"{spec} row {i + 1}", row)
+            for i, row in enumerate(datasets.load_dataset(name, split=split or "train"))
+        ]
+    elif not os.path.isfile(spec):
+        raise ValueError(f"--data {spec}: no such file")
+    elif open(spec, encoding="utf-8-sig").read(1) == "[":
+        with open(spec, encoding="utf-8-sig") as f:
+            rows = [(f"{spec} row {i + 1}", row) for i, row in enumerate(json.load(f))]
+    else:
+        with open(spec, encoding="utf-8-sig") as f:
+            rows = [(f"{spec}:{i}", line) for i, line in enumerate(f, start=1) if line.strip()]
+    prompts = []
+    for where, row in rows:
+        if isinstance(row, str):
+            try:
+                row = json.loads(row)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+        prompt = row.get("prompt") if isinstance(row, dict) else None
+        if not prompt or not isinstance(prompt, (str, list)):
+            raise ValueError(f"{where}: field 'prompt' must be non-empty text or messages")
+        prompts.append(prompt)
+    if not prompts:
+        raise ValueError(f"--data {spec}: no prompts")
+    return prompts
+
+
+def load_scorer(spec: str, device: torch.device, dtype: torch.dtype):
+    """--reward's scorer, score(prompts, completions) -> one float each: "demo" and
+    "module:function" call a Python function (prompt, completion) -> float on each; anything else
+    is a reward model's hub id or folder, sharded over the ranks like the policy."""
+    if spec == "demo":
+        spec = "demo:score_response"
+    if ":" not in spec:
+        return _reward_model(spec, device, dtype)
+    module, _, name = spec.partition(":")
+    # The working directory's modules, as `python -m` would find them.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        function = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--reward {spec}: cannot load it ({e})") from None
+    if not callable(function):
+        raise ValueError(f"--reward {spec}: is not a function")
+
+    def score(prompts: list, completions: list[str]) -> list:
+        return [function(p, c) for p, c in zip(prompts, completions)]
+
+    return score
+
+
+def _reward_model(name: str, device: torch.device, dtype: torch.dtype):
+    """A sequence-classification reward model's scorer of each (prompt, completion) conversation,
+    written by its own chat template (or as prompt + completion where it has none)."""
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(name)
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(name, dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"--reward {name}: not demo or module:function, and no reward model loads from it "
+            f"({str(e).strip().splitlines()[0]})"
+        ) from None
+    if model.config.num_labels != 1:
+        raise ValueError(
+            f"--reward {name}: its head gives {model.config.num_labels} scores per text, not one"
+        )
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    # The model reads each text's score at its last token that is not padding.
+    model.config.pad_token_id = tokenizer.pad_token_id
+    tokenizer.padding_side = "right"
+    _shard(model, device).eval()
+
+    @torch.no_grad()
+    def score(prompts: list, completions: list[str]) -> list:
+        if getattr(tokenizer, "chat_template", None):
+            texts = [
+                tokenizer.apply_chat_template(
+                    _messages(p) + [{"role": "assistant", "content": c}], tokenize=False
+                )
+                for p, c in zip(prompts, completions)
+            ]
+            batch = tokenizer(texts, padding=True, add_special_tokens=False, return_tensors="pt")
+        else:
+            texts = [_text(p) + c for p, c in zip(prompts, completions)]
+            batch = tokenizer(texts, padding=True, return_tensors="pt")
+        return model(**batch.to(device)).logits[:, 0].float().tolist()
+
+    return score
+
+
+def _messages(prompt) -> list[dict]:
+    if isinstance(prompt, list):
+        return prompt
+    return [{"role": "user", "content": prompt}]
+
+
+def _text(prompt) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return "".join(m["content"] for m in prompt)
+
+
+def _shard(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`model` sharded over every rank with FSDP2 onto `device`: each block (of its largest
+    ModuleList), then the root."""
+    mesh = torch.distributed.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    for block in max(lists, key=_size, default=[]):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _size(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def write_rows(config: GenerateConfig, rows: list[dict], tokens: int, seconds: float) -> None:
+    """The rows as JSON Lines at --out and the settings at {out}.json, each whole or not at all."""
+    os.makedirs(os.path.dirname(os.path.abspath(config.out)), exist_ok=True)
+    sidecar = {
+        **asdict(config),
+        "ranks": dist.get_world_size(),
+        "prompts": len(rows),
+        "generated_tokens": tokens,
+        "seconds": round(seconds, 3),
+        "mean_score": sum(map(sum, (r["scores"] for r in rows)))
+        / (len(rows) * config.num_generations),
+    }
+    for path, text in (
+        (config.out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)),
+        (config.out + ".json", json.dumps(sidecar, indent=2) + "\n"),
+    ):
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+
+
+def run(config: GenerateConfig) -> None:
+    """The command line's work: start the process group (a world of one without torchrun), load,
+    shard, sample, score, and write on rank 0."""
+    cuda = torch.cuda.is_available()
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    )
+    if cuda:
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ:
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dtype = (
+            torch.bfloat16
+            if config.precision == "bf16" or (config.precision == "auto" and cuda)
+            else torch.float32
+        )
+        prompts = read_prompts(config.data)[config.skip_prompts :]
+        prompts = prompts[: config.max_prompts or len(prompts)]
+        if not prompts:
+            raise ValueError(f"--skip-prompts {config.skip_prompts}: past the last prompt")
+        tokenizer = transformers.AutoTokenizer.from_pretrained(config.model)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        policy = _shard(
+            transformers.AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype), device
+        )
+        score = load_scorer(config.reward, device, dtype)
+        t0 = time.perf_counter()
+        rows, tokens = generate_rows(policy, tokenizer, prompts, config, score, device)
+        if dist.get_rank() == 0:
+            write_rows(config, rows, tokens, time.perf_counter() - t0)
+            print(f"generate: wrote {len(rows)} rows to {config.out}", flush=True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the flags (tyro, imported here so that the rest needs only torch and transformers) and
+    run; bad input exits 2 with one line."""
+    import tyro
+
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        with tyro._errors.on_parse_error(_raise_config_error):
+            config = tyro.cli(GenerateConfig, args=argv)
+        run(config)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _raise_config_error(event) -> None:
+    """A config's own ValueError reaches main() as one line, not tyro's box."""
+    import tyro
+
+    if isinstance(event, tyro._errors.InstantiationFailure) and event.argument is None:
+        raise ValueError(event.message)
+
+
+def _keep_gathered(model, device: torch.device) -> list:
+    """An FSDP2 model's parameter groups, each with its reshard-after-forward setting, turned off
+    where the gathered parameters fit on `device`: one all-gather per block for a whole generation,
+    not one per token. [] where nothing changed."""
+    if not hasattr(model, "set_reshard_after_forward"):
+        return []
+    if device.type == "cuda":
+        dtype = model._get_fsdp_state()._mp_policy.param_dtype or torch.float32
+        gathered = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+        # What this process can still allocate: free, or cached and unused.
+        room = (
+            torch.cuda.mem_get_info(device)[0]
+            + torch.cuda.memory_reserved(device)
+            - torch.cuda.memory_allocated(device)
+        )
+        # A quarter stays for the KV cache, activations and logits; past that, per token as before.
+        # Every rank decides alike: one keeping its blocks gathered would skip the all-gathers that
+        # the others wait in.
+        fits = torch.tensor(float(gathered <= 0.75 * room), device=device)
+        dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+        if not fits.item():
+            return []
+    # The root settles its own setting (kept gathered, unless asked) at its first forward: settled
+    # before it is saved, so that training gets what it would have had.
+    model._get_fsdp_state()._lazy_init()
+    kept = [
+        (group, group.post_forward_mesh_info)
+        for module in model.modules()
+        if hasattr(module, "set_reshard_after_forward")
+        for group in module._get_fsdp_state()._fsdp_param_groups
+    ]
+    model.set_reshard_after_forward(False)
+    return kept
+
+
+if __name__ == "__main__":
+    main()
