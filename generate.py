@@ -527,12 +527,16 @@ def run(config: GenerateConfig) -> None:
         prompts = prompts[: config.max_prompts or len(prompts)]
         if not prompts:
             raise ValueError(f"--skip-prompts {config.skip_prompts}: past the last prompt")
-        tokenizer = transformers.AutoTokenizer.from_pretrained(config.model)
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(config.model)
+            policy = transformers.AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype)
+        except OSError as e:
+            raise ValueError(
+                f"--model {config.model}: cannot load ({str(e).strip().splitlines()[0]})"
+            ) from None
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        policy = _shard(
-            transformers.AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype), device
-        )
+        _shard(policy, device)
         score = load_scorer(config.reward, device, dtype)
         t0 = time.perf_counter()
         rows, tokens = generate_rows(policy, tokenizer, prompts, config, score, device)

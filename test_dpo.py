@@ -6330,6 +6330,7 @@ def test_scorers_match_the_reward_model_called_directly_and_bad_ones_fail_in_one
         (["--data", str(tmp_path / "bad.jsonl")], "bad.jsonl:2: invalid JSON (Expecting value"),
         (["--data", str(tmp_path / "none.jsonl")], "none.jsonl:3: field 'prompt' must be"),
         (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+        (["--model", str(tmp_path / "nosuch")], f"--model {tmp_path / 'nosuch'}: cannot load"),
     ):
         out = tmp_path / "rows.jsonl"
         with pytest.raises(SystemExit) as exit_:
