@@ -39,7 +39,6 @@ from torch.utils._pytree import tree_flatten
 import train_dpo
 import batches
 import data
-import demo
 import fsdp_setup
 import generate
 import loss
@@ -289,7 +288,7 @@ def torchrun(nproc, out, *args, script=None, device="cpu", env=None):
 
 
 RUNS = """
-import json, os, sys
+import json, os, runpy, sys
 import checkpoint, data, fsdp_setup, train_dpo
 real, calls = data.tokenize_rows, []
 real_find, finds = checkpoint.find_checkpoint, []
@@ -304,25 +303,43 @@ def find_checkpoint(*args):  # counted: which ranks resolve --resume
 
 data.tokenize_rows = tokenize_rows
 checkpoint.find_checkpoint = find_checkpoint
-for argv in json.loads(sys.argv[1]):  # runs in turn, each with a process group of its own
+for run in json.loads(sys.argv[1]):  # runs in turn, each with a process group of its own
+    # A script's main(argv) instead of the trainer's: its patches last as long as the call.
+    argv, main = run, train_dpo.main
+    if isinstance(run, dict):
+        argv, main = run["argv"], runpy.run_path(run["script"])["main"]
+    if "--out-dir" in argv:
+        out_dir = argv[argv.index("--out-dir") + 1]
+    else:  # generate.py's: where --out's file goes
+        out_dir = os.path.dirname(argv[argv.index("--out") + 1])
+    if os.environ["RANK"] == "0":
+        print("--- run " + out_dir, file=sys.stderr, flush=True)  # run_lines's mark
     calls.clear()
     finds.clear()
-    error = None
+    error = code = None
     try:
-        train_dpo.main(argv)
+        main(argv)
     except RuntimeError as e:  # recorded for the test to read: the next run goes on
         error = str(e)
-    out_dir = argv[argv.index("--out-dir") + 1]
+    except SystemExit as e:
+        code = e.code
+    os.makedirs(out_dir, exist_ok=True)  # a run that failed early made none
     with open(os.path.join(out_dir, f"run-{os.environ['RANK']}.json"), "w") as f:
-        json.dump({"tokenize_calls": len(calls), "resolves": len(finds), "error": error}, f)
+        record = {"tokenize_calls": len(calls), "resolves": len(finds), "error": error}
+        json.dump({**record, "exit": code}, f)
 fsdp_setup.exit_without_shutdown(0)
 """
+# How the line starts that torchrun_runs's rank 0 writes to stderr as a run starts, with its
+# out_dir.
+RUN_START = "--- run "
 
 
 def torchrun_runs(nproc, runs, pythonpath=()):
-    """Several trainer runs (lists of trainer_args) in turn in one start of nproc ranks: fewer
-    process starts. Each run's out_dir gets run-{rank}.json: its data.tokenize_rows calls there,
-    its checkpoint.find_checkpoint calls ("resolves") and the RuntimeError that ended it."""
+    """Several runs in turn in one start of nproc ranks: fewer process starts. A run is a list of
+    trainer_args, or {"argv": trainer_args, "script": a file whose main(argv) runs instead of
+    train_dpo.main, patching only while it runs}. Each run's out_dir gets run-{rank}.json: its
+    data.tokenize_rows calls there, its checkpoint.find_checkpoint calls ("resolves"), the
+    RuntimeError that ended it and its sys.exit code ("exit"); run_lines finds its lines."""
     script = os.path.join(CACHE, "runs.py")
     with open(script, "w") as f:
         f.write(RUNS)
@@ -341,6 +358,11 @@ def torchrun_runs(nproc, runs, pythonpath=()):
         "PYTHONPATH": os.pathsep.join([HERE, *pythonpath]),
     }
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def run_lines(stderr, out):
+    """What rank 0 wrote to stderr in torchrun_runs's run `out` (lines of rank 1 may mix in)."""
+    return stderr.split(f"{RUN_START}{out}\n")[1].split(RUN_START)[0]
 
 
 def run_records(out, ranks):
@@ -1906,28 +1928,11 @@ def test_bad_input_is_one_clean_line_and_writes_nothing(tmp_path, capsys, name):
     assert err.startswith(f"error: {path}") and message in err and "\n" not in err
 
 
-def test_bad_input_from_the_command_line_has_no_traceback(tmp_path, capsys):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "a", "chosen": "b", "rejected": 3}\n')
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(HERE, "train_dpo.py"),
-            "--out-dir",
-            str(tmp_path / "o"),
-            *ON_CPU,
-            "--data",
-            str(bad),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=SUBPROCESS_ENV,
-    )
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith(
-        f"error: {bad}:1: field 'rejected'"
-    )
+def test_bad_input_from_the_command_line_has_no_traceback(processes, tmp_path, capsys):
+    out, code, err = processes[0]["bad"]
+    bad = out.parent / "bad.jsonl"
+    assert code == 2 and "Traceback" not in err, err
+    assert err.strip().count("\n") == 0 and err.startswith(f"error: {bad}:1: field 'rejected'")
     # A config's own check fails through tyro's parser, in main() as from the command line.
     with pytest.raises(SystemExit) as exit_info:
         train_dpo.main(
@@ -2440,27 +2445,55 @@ def test_activation_checkpointing_and_resharding_change_memory_not_math():
             torch.testing.assert_close(g, results[0][1][n], rtol=1e-6, atol=1e-7)
 
 
-def test_compiled_blocks_train_like_eager_on_cpu(tmp_path):
+def test_compiled_blocks_train_like_eager_with_evaluation_and_samples_under_the_recompile_limit(
+    tmp_path,
+):
     """CPU: inductor's C++ kernels; with activation checkpointing, so its recomputation is compiled
-    too. SimPO, reference-free: the policy's forward and backward are what is compiled (a reference
-    would add a no-grad graph, as long again to compile on a CPU, and is the same blocks' forward).
-    Against the same 3 steps eager (checkpointing changes no math: tested above)."""
+    too. SimPO, reference-free: the policy's forward and backward are what inductor compiles; a
+    no-grad graph (evaluation's, a reference's) would be as long again to compile on a CPU, and is
+    the same blocks' forward: Dynamo's eager backend runs it. Against the same 3 steps eager
+    (checkpointing changes no math: tested above), step by step and at each evaluation.
+
+    The recompile limit: past it, Dynamo runs the blocks eager without a word; here it fails the run
+    instead. Generation's forwards (a KV cache, one-token queries, a variant per layer index) ran
+    compiled code and filled the limit: here samples at each evaluation, between training steps."""
     from torch._dynamo.utils import counters
 
-    args = (
-        *("--max-steps", "3", "--micro-batch-size", "8", "--loss", "simpo"),
-        # The demo's pairs as a file: no evaluation to compile.
-        *("--data", demo_files(CACHE, write_jsonl)["train"]),
-    )
-    eager = read_metrics(run(tmp_path, "eager", *args))
+    inductor, real = torch._dynamo.lookup_backend("inductor"), torch.nn.Module.compile
+
+    def backend(graph, example_inputs):
+        if torch.is_grad_enabled():  # the grad mode Dynamo traced (and guards) it in
+            return inductor(graph, example_inputs)
+        return graph.forward
+
+    def compile_with(self, *args, **kwargs):
+        real(self, *args, **kwargs, backend=backend)
+
+    args = ("--max-steps", "3", "--micro-batch-size", "8", "--loss", "simpo", "--eval-every", "1")
+    args += ("--num-samples", "2", "--sample-max-tokens", "4")
+    eager = run(tmp_path, "eager", *args)
+    # Variants of the blocks' code object from earlier compiled runs in this process would count.
+    torch._dynamo.reset()
     counters.clear()
-    compiled = read_metrics(
-        run(tmp_path, "compiled", *args, "--activation-checkpointing", "--compile")
-    )
+    try:
+        with (
+            pytest.MonkeyPatch.context() as monkeypatch,
+            torch._dynamo.config.patch(fail_on_recompile_limit_hit=True),
+        ):
+            monkeypatch.setattr(torch.nn.Module, "compile", compile_with)
+            compiled = run(tmp_path, "compiled", *args, "--activation-checkpointing", "--compile")
+    finally:
+        torch._dynamo.reset()
     # Dynamo captured the blocks' forward as graphs, and AOT autograd compiled their backward.
-    assert counters["stats"]["unique_graphs"] > 0 and counters["aot_autograd"]["ok"] > 0
+    assert counters["aot_autograd"]["ok"] > 0
     assert not counters["graph_break"], dict(counters["graph_break"])
-    _assert_same_rows(compiled, eager, ("loss", "grad_norm", "lr"))
+    # Training and evaluation, with and without gradients, a first shape static and then dynamic
+    # ones: a few variants, under the limit of 8.
+    assert 0 < counters["stats"]["unique_graphs"] <= 5, dict(counters["stats"])
+    rows = [json.loads(line) for line in open(os.path.join(compiled, "samples.jsonl"))]
+    assert [r["step"] for r in rows] == [1, 1, 2, 2, 3, 3]  # two samples at each evaluation
+    _assert_same_rows(read_metrics(compiled), read_metrics(eager), ("loss", "grad_norm", "lr"))
+    _assert_same_rows(read_metrics(compiled, "eval"), read_metrics(eager, "eval"), ("loss",))
 
 
 def test_a_frozen_reference_reshards_even_with_no_reshard_after_forward():
@@ -3423,7 +3456,7 @@ REF_DATA = (
     write_jsonl(os.path.join(CACHE, "train-128.jsonl"), demo_pairs("train")[:128]),
     "--eval-data",
     write_jsonl(os.path.join(CACHE, "eval-32.jsonl"), demo_pairs("eval")[:32]),
-    *SIX,
+    *("--max-steps", "3", "--micro-batch-size", "8"),
 )
 REF_LORA = ("--lora-rank", "8", "--activation-checkpointing", "--ref", "precompute")
 # An evaluation of 37 held-out pairs (ranks get 19 and 18 + a dummy) with samples; two_ranks's
@@ -3455,17 +3488,20 @@ def init(**kwargs):
 
 @pytest.fixture(scope="module")
 def two_ranks(six_steps, k_files, tmp_path_factory):
-    """Eleven runs in one start of two ranks (torchrun_runs), each checked by its own test.
+    """Fifteen runs in one start of two ranks (torchrun_runs), each checked by its own test.
     "resumed": six_steps's step-4 checkpoint, copied as its latest, resumed (--resume latest) with
     micro-batches of 2 (4 a step and rank),
     tokenizing into an empty cache; "offload": the same with --cpu-offload (and activation
     checkpointing), saving every step; "eval": EVAL_ARGS; "lora": REF_DATA with REF_LORA, offloaded;
     "wandb": a W&B project whose wandb.init fails (FAILING_WANDB); "objectives": OBJECTIVES;
     "oracle": ORACLE_ARGS; "krows": one step over the K-response file (k_step_args); each of
-    CONVERTED: converted_args. Returns ({name: out_dir}, stderr of all)."""
+    CONVERTED: converted_args; then three scripts' runs, each patching only itself: "fp16":
+    FP16_OVERFLOW under INJECT; "preempted": SIX under PREEMPT; "generation": LOCKSTEP's and
+    GATHERS's checks; "rows": generate.py's round 1 of the on-policy test (onpolicy_args). Returns
+    ({name: out_dir}, stderr of all)."""
     folder = tmp_path_factory.mktemp("two-ranks")
     names = ("resumed", "offload", "eval", "lora", "wandb", "objectives", "oracle", "krows")
-    names += CONVERTED
+    names += (*CONVERTED, "fp16", "preempted", "generation", "rows")
     outs = {name: folder / name for name in names}
     resume = os.path.join(six_steps[0], "checkpoints", "step-4")
     # "resumed" finds six_steps's step 4 as its own latest checkpoint.
@@ -3473,6 +3509,9 @@ def two_ranks(six_steps, k_files, tmp_path_factory):
     (outs["resumed"] / "checkpoints" / "latest").write_text("step-4")
     (folder / "fake").mkdir()
     (folder / "fake" / "wandb.py").write_text(FAILING_WANDB)
+    scripts = {"inject": INJECT, "preempt": PREEMPT, "generation": LOCKSTEP + GATHERS}
+    for name, text in scripts.items():
+        (folder / f"{name}.py").write_text(text)
     proc = torchrun_runs(
         2,
         [
@@ -3514,12 +3553,24 @@ def two_ranks(six_steps, k_files, tmp_path_factory):
             trainer_args(outs["oracle"], *ORACLE_ARGS),
             trainer_args(outs["krows"], *k_step_args(k_files[0], len(K_ROWS))),
             *[trainer_args(outs[kind], *converted_args(kind)) for kind in CONVERTED],
+            {
+                "argv": trainer_args(outs["fp16"], *FP16_OVERFLOW),
+                "script": str(folder / "inject.py"),
+            },
+            {"argv": trainer_args(outs["preempted"], *SIX), "script": str(folder / "preempt.py")},
+            {
+                "argv": ["--out-dir", str(outs["generation"])],
+                "script": str(folder / "generation.py"),
+            },
+            {"argv": onpolicy_args(folder, outs["rows"]), "script": GENERATE},
         ],
         pythonpath=[str(folder / "fake")],
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for name in ("resumed", "offload", "eval", "lora", "objectives", "oracle", "krows", *CONVERTED):
-        assert [r["error"] for r in run_records(outs[name], 2)] == [None, None], proc.stderr[-3000:]
+    # The failing W&B run and the scripts' runs: their tests read their records.
+    for name in set(names) - {"wandb", "fp16", "preempted", "generation", "rows"}:
+        records = [(r["error"], r["exit"]) for r in run_records(outs[name], 2)]
+        assert records == [(None, None)] * 2, proc.stderr[-3000:]
     return outs, proc.stderr
 
 
@@ -3544,8 +3595,8 @@ def test_ref_precompute_matches_online_reference_and_is_cached_by_its_inputs(
     assert "reference log-probs: computed 160 rows" in capsys.readouterr().err
     # The same training as with a resident reference model, up to float rounding: the reference ran
     # on other, differently padded batches. So not the same reward accuracy at step 1, where every
-    # margin is exactly 0 online and +-1e-7 here, and weights within 1e-4 after 6 Adam steps of lr
-    # 1e-3 (updates of up to 6e-3).
+    # margin is exactly 0 online and +-1e-7 here, and weights within 1e-4 after 3 Adam steps of lr
+    # 1e-3 (updates of up to 3e-3).
     _assert_same_run(
         online,
         out,
@@ -3591,7 +3642,8 @@ def test_ref_precompute_matches_online_reference_and_is_cached_by_its_inputs(
 
 
 PREEMPT = """
-import os, signal, sys, time
+import os, signal, time
+from unittest import mock
 import fsdp_setup, models, train_dpo
 real_init = fsdp_setup.init_distributed
 real_find = models.find_weights
@@ -3611,33 +3663,37 @@ def train_step(*args):  # SIGTERM to rank 1 alone, as step 3 starts
         os.kill(os.getpid(), signal.SIGTERM)
     return real_step(*args)
 
-fsdp_setup.init_distributed = init_distributed
-models.find_weights = find_weights
-train_dpo.train_step = train_step
-try:
-    train_dpo.main(sys.argv[1:])
-except SystemExit as e:
-    fsdp_setup.exit_without_shutdown(e.code)
+def main(argv):  # patched for this run alone, its signal handlers put back after it
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    try:
+        with (
+            mock.patch.object(fsdp_setup, "init_distributed", init_distributed),
+            mock.patch.object(models, "find_weights", find_weights),
+            mock.patch.object(train_dpo, "train_step", train_step),
+        ):
+            train_dpo.main(argv)
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
 """
 
 
 def test_two_ranks_match_one_then_a_preempted_step_is_saved_once_and_resumes_on_one_rank(
-    six_steps, tmp_path
+    six_steps, two_ranks
 ):
-    # Two ranks of 8 pairs each (no accumulation), while rank 0 takes 8 s to load the model and
-    # collectives time out after 6 s: rank 1 must wait for it on the store (fsdp_setup.on_rank0),
-    # not in a collective.
-    script = tmp_path / "preempt.py"
-    script.write_text(PREEMPT)
-    out = tmp_path / "run"
-    proc = torchrun(2, str(out), *SIX, script=script)
-    assert proc.returncode != 0 and "stopped by a signal after step 3" in proc.stderr, proc.stderr[
-        -3000:
-    ]
+    # two_ranks's "preempted": two ranks of 8 pairs each (no accumulation), while rank 0 takes 8 s
+    # to load the model and collectives time out after 6 s: rank 1 must wait for it on the store
+    # (fsdp_setup.on_rank0), not in a collective.
+    out = two_ranks[0]["preempted"]
+    err = run_lines(two_ranks[1], out)
+    # Both ranks stop as SIGTERM's (rank 0 without the signal), after saving step 3.
+    records = [(r["error"], r["exit"]) for r in run_records(out, 2)]
+    assert records == [(None, 128 + signal.SIGTERM)] * 2, err[-3000:]
+    assert "stopped by a signal after step 3" in err
     assert (out / "checkpoints" / "latest").read_text() == "step-3" and not (out / "final").exists()
     assert json.load(open(out / "checkpoints" / "step-3" / "trainer_state.json"))["world_size"] == 2
     assert [r["step"] for r in read_metrics(str(out))] == [1, 2, 3]
-    run(tmp_path, "run", *SIX, "--resume", "latest")  # DCP reshards 2 ranks -> 1
+    run(out.parent, out.name, *SIX, "--resume", "latest")  # DCP reshards 2 ranks -> 1
     # Steps 1-3 on two ranks, 4-6 on one: the uninterrupted 1-rank run's metrics, tensor names and
     # weights.
     _assert_same_run(six_steps[0], str(out), exact=False)
@@ -3704,40 +3760,6 @@ def test_two_ranks_tokenize_once_on_rank_0_and_share_the_cache(two_ranks, tmp_pa
     assert again == []  # a later run finds the cache and tokenizes nothing
 
 
-def test_sigusr1_from_outside_saves_the_finished_step_and_exits_promptly(tmp_path):
-    # SIGUSR1 (SLURM's warning before the time limit) as SIGTERM (the preempted two-rank test sends
-    # that one)
-    out = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        os.path.join(HERE, "train_dpo.py"),
-        *trainer_args(out, "--max-steps", "200", "--async-save"),
-    ]  # the stop waits for the write
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=SUBPROCESS_ENV
-    )
-    metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    # until the two data rows and steps 1-2 are logged
-    while (
-        not (metrics.exists() and metrics.read_text().count("\n") >= 4)
-        and time.monotonic() < deadline
-    ):
-        time.sleep(0.02)
-    sent = time.monotonic()
-    proc.send_signal(signal.SIGUSR1)
-    _, err = proc.communicate(timeout=60)
-    assert time.monotonic() - sent < 60 and proc.returncode == 128 + signal.SIGUSR1, err
-    last = read_metrics(str(out))[-1]["step"]
-    assert (out / "checkpoints" / "latest").read_text() == f"step-{last}" and 2 <= last < 200
-    run(
-        tmp_path, "run", "--max-steps", str(last + 1), "--resume", "latest"
-    )  # a shorter run: allowed
-    assert [r["step"] for r in read_metrics(str(out))] == list(
-        range(1, last + 2)
-    )  # no step lost or repeated
-
-
 KILL_MID_SAVE = """
 import os, signal, sys
 from torch.distributed.checkpoint import FileSystemWriter
@@ -3754,26 +3776,92 @@ def write_data(self, plan, planner):
 FileSystemWriter.write_data = write_data
 train_dpo.main(sys.argv[1:])
 """
+BAD_ROW = '{"prompt": "a", "chosen": "b", "rejected": 3}\n'
 
 
-def test_a_run_killed_during_an_async_save_resumes_from_the_last_complete_one(six_steps, tmp_path):
-    script, out = tmp_path / "kill.py", tmp_path / "run"
-    script.write_text(KILL_MID_SAVE)
-    cmd = [
-        sys.executable,
-        str(script),
-        *trainer_args(out, *SIX, "--save-every", "2", "--async-save"),
-    ]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env=SUBPROCESS_ENV, check=False
-    )
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+@pytest.fixture(scope="module")
+def processes(tmp_path_factory):
+    """The runs that must each be a process of their own, started together: on 2 cores their
+    imports overlap. "sigusr1": a run of 200 steps saving in the background, sent SIGUSR1 (SLURM's
+    warning before the time limit) once steps 1-2 are logged; "killed": SIX saving every 2 steps in
+    the background under KILL_MID_SAVE; "bad": train_dpo.py given a file with BAD_ROW. Returns
+    {name: (out_dir, exit code, stderr)} and the seconds from the signal to sigusr1's exit."""
+    folder = tmp_path_factory.mktemp("processes")
+    (folder / "kill.py").write_text(KILL_MID_SAVE)
+    (folder / "bad.jsonl").write_text(BAD_ROW)
+    trainer = os.path.join(HERE, "train_dpo.py")
+    commands = {
+        # The stop waits for the write.
+        "sigusr1": [
+            trainer,
+            *trainer_args(folder / "sigusr1", "--max-steps", "200", "--async-save"),
+        ],
+        "killed": [
+            folder / "kill.py",
+            *trainer_args(folder / "killed", *SIX, "--save-every", "2", "--async-save"),
+        ],
+        "bad": [trainer, "--out-dir", folder / "bad", *ON_CPU, "--data", folder / "bad.jsonl"],
+    }
+    procs = {}
+    for name, cmd in commands.items():
+        # A core each where no result depends on the threads' count: "killed" ends as six_steps.
+        threads = {} if name == "killed" else {"OMP_NUM_THREADS": "1"}
+        with open(folder / f"{name}.err", "w") as err:
+            procs[name] = subprocess.Popen(
+                [sys.executable, *map(str, cmd)],
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                env={**SUBPROCESS_ENV, **threads},
+            )
+    try:
+        metrics = folder / "sigusr1" / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        # until the two data rows and steps 1-2 are logged
+        while (
+            not (metrics.exists() and metrics.read_text().count("\n") >= 4)
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.02)
+        sent = time.monotonic()
+        procs["sigusr1"].send_signal(signal.SIGUSR1)
+        procs["sigusr1"].wait(timeout=60)
+        waited = time.monotonic() - sent
+        for proc in procs.values():
+            proc.wait(timeout=300)
+    finally:
+        for proc in procs.values():
+            proc.kill()  # none left behind, whatever failed
+    results = {
+        name: (folder / name, proc.returncode, (folder / f"{name}.err").read_text())
+        for name, proc in procs.items()
+    }
+    return results, waited
+
+
+def test_sigusr1_from_outside_saves_the_finished_step_and_exits_promptly(processes):
+    # SIGUSR1 (SLURM's warning before the time limit) as SIGTERM (the preempted two-rank test sends
+    # that one): processes's "sigusr1".
+    (out, code, err), waited = processes[0]["sigusr1"], processes[1]
+    assert waited < 60 and code == 128 + signal.SIGUSR1, err
+    last = read_metrics(str(out))[-1]["step"]
+    assert (out / "checkpoints" / "latest").read_text() == f"step-{last}" and 2 <= last < 200
+    run(
+        out.parent, out.name, "--max-steps", str(last + 1), "--resume", "latest"
+    )  # a shorter run: allowed
+    assert [r["step"] for r in read_metrics(str(out))] == list(
+        range(1, last + 2)
+    )  # no step lost or repeated
+
+
+def test_a_run_killed_during_an_async_save_resumes_from_the_last_complete_one(six_steps, processes):
+    out, code, err = processes[0]["killed"]
+    assert code == -signal.SIGKILL, err[-3000:]
     saved = out / "checkpoints"
     assert (saved / "latest").read_text() == "step-2" and (saved / "step-4.tmp").is_dir()
     assert sorted(os.listdir(saved)) == ["latest", "step-2", "step-4.tmp"]
     # Step 2 was written while steps 3 and 4 trained: from it, the run ends exactly as the
     # uninterrupted one.
-    run(tmp_path, "run", *SIX, "--save-every", "2", "--async-save", "--resume", "latest")
+    run(out.parent, out.name, *SIX, "--save-every", "2", "--async-save", "--resume", "latest")
     _assert_same_run(six_steps[0], str(out))
     assert sorted(os.listdir(saved)) == ["latest", "step-2", "step-4", "step-6"]
 
@@ -3922,6 +4010,7 @@ def test_torchrun_with_nccl_matches_the_one_rank_cpu_run(six_steps, tmp_path):
 
 INJECT = """
 import json, os, sys
+from unittest import mock
 import torch
 import fsdp_setup, train_dpo
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -3937,39 +4026,39 @@ def unscale_(self, optimizer):
         grad.to_local().view(-1)[0] = float("inf")
     return unscale(self, optimizer)
 
-torch.amp.GradScaler.unscale_ = unscale_
-try:
-    train_dpo.main(sys.argv[1:])
-finally:
-    with open(os.path.join(os.environ["RECORD_DIR"], f"record-{rank}.json"), "w") as f:
-        json.dump(record, f)
-fsdp_setup.exit_without_shutdown(0)
+def main(argv):  # patched for this run alone; each rank's record in its --out-dir
+    try:
+        with mock.patch.object(torch.amp.GradScaler, "unscale_", unscale_):
+            train_dpo.main(argv)
+    finally:
+        out = argv[argv.index("--out-dir") + 1]
+        with open(os.path.join(out, f"record-{rank}.json"), "w") as f:
+            json.dump(record, f)
+
+if __name__ == "__main__":  # a start of its own
+    main(sys.argv[1:])
+    fsdp_setup.exit_without_shutdown(0)
 """
+FP16_OVERFLOW = ("--batch-size", "4", "--max-steps", "4", "--precision", "fp16")
 
 
-@pytest.mark.parametrize(
-    "device, ranks", [("cpu", 2), pytest.param("cuda", min(GPUS, 2), marks=needs_cuda)]
-)
-def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, device, ranks):
-    script = tmp_path / "inject.py"
-    script.write_text(INJECT)
-    out = tmp_path / "fp16"
-    proc = torchrun(
-        ranks,
-        str(out),
-        "--batch-size",
-        "4",
-        "--max-steps",
-        "4",
-        "--precision",
-        "fp16",
-        script=script,
-        device=device,
-        env={"RECORD_DIR": str(tmp_path)},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"on {device}" in proc.stderr and ("nccl" in proc.stderr) == (device == "cuda")
-    records = [json.load(open(tmp_path / f"record-{r}.json")) for r in range(ranks)]
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(request, tmp_path, device):
+    """INJECT's overflow on the last rank: on CPU in two_ranks's "fp16" (two ranks), on CUDA in a
+    start of its own (nccl, up to two GPUs)."""
+    if device == "cpu":
+        two_ranks = request.getfixturevalue("two_ranks")
+        out, ranks = two_ranks[0]["fp16"], 2
+        err = run_lines(two_ranks[1], out)
+        assert [(r["error"], r["exit"]) for r in run_records(out, 2)] == [(None, None)] * 2, err
+    else:
+        script, out, ranks = tmp_path / "inject.py", tmp_path / "fp16", min(GPUS, 2)
+        script.write_text(INJECT)
+        proc = torchrun(ranks, str(out), *FP16_OVERFLOW, script=script, device=device)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        err = proc.stderr
+    assert f"on {device}" in err and ("nccl" in err) == (device == "cuda")
+    records = [json.load(open(out / f"record-{r}.json")) for r in range(ranks)]
     rows = read_metrics(out)
     # (fp16 from the default 2**16 scale overflows naturally at step 1; step 2 is a normal step.)
     assert [r["skipped"] for r in rows][1:] == [False, True, False]
@@ -3983,7 +4072,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, device
             record[1]["checksum"] != record[2]["checksum"]
         )  # step 2 updated this rank's shard ...
         assert record[2]["checksum"] == record[3]["checksum"]  # ... step 3 did not, on either rank
-    assert "step 3: non-finite loss or gradient norm, step skipped on every rank" in proc.stderr
+    assert "step 3: non-finite loss or gradient norm, step skipped on every rank" in err
 
 
 def _poison(monkeypatch, bad_calls):
@@ -4402,11 +4491,10 @@ def test_generate_with_cache_and_left_padding_matches_naive_greedy():
 
 
 LOCKSTEP = """
-import os, sys, types
+import os, types
 import torch, torch.distributed as dist
-from generate import generate
-dist.init_process_group("gloo")
-rank, forwards = dist.get_rank(), [0]
+import generate
+forwards = [0]
 
 # a collective per forward, like FSDP2's all-gathers; rank 0 ends at once
 class Model(torch.nn.Module):
@@ -4417,71 +4505,23 @@ class Model(torch.nn.Module):
         dist.all_reduce(torch.ones(1))
         forwards[0] += 1
         logits = torch.zeros(input_ids.shape[0], input_ids.shape[1], 5)
-        logits[..., 1 if rank == 0 else 3] = 1.0  # 1 is EOS
+        logits[..., 1 if dist.get_rank() == 0 else 3] = 1.0  # 1 is EOS
         return types.SimpleNamespace(logits=logits, past_key_values=None)
 
-out = generate(Model(), [[2, 2]], max_new_tokens=6, eos_id=1, pad_id=0)
-with open(os.path.join(sys.argv[1], f"rank{rank}.txt"), "w") as f:
-    f.write(f"{forwards[0]} {out}")
-dist.destroy_process_group()
-# as fsdp_setup.exit_without_shutdown: no interpreter shutdown while gloo's threads let go
-os._exit(0)
+def lockstep(out):  # in a process group of two ranks
+    result = generate.generate(Model(), [[2, 2]], max_new_tokens=6, eos_id=1, pad_id=0)
+    with open(os.path.join(out, f"lockstep-{dist.get_rank()}.txt"), "w") as f:
+        f.write(f"{forwards[0]} {result}")
 """
 
 
-def test_compiled_training_with_evaluation_and_samples_stays_under_the_recompile_limit(
-    tmp_path, monkeypatch
-):
-    """Past the limit, Dynamo runs the blocks eager without a word; here it fails the run instead.
-    Generation's forwards (a KV cache, one-token queries, a variant per layer index) ran compiled
-    code and filled the limit. Dynamo's guards decide the variants: its eager backend skips
-    inductor's compile time."""
-    from torch._dynamo.utils import counters
-
-    real = torch.nn.Module.compile
-
-    def compile_eager(self, *args, **kwargs):
-        real(self, *args, **kwargs, backend="eager")
-
-    monkeypatch.setattr(torch.nn.Module, "compile", compile_eager)
-
-    # Variants of the blocks' code object from earlier compiled runs in this process would count.
-    torch._dynamo.reset()
-    counters.clear()
-    args = ("--max-steps", "2", "--eval-every", "1", "--compile")
-    sampling = ("--num-samples", "2", "--sample-max-tokens", "4")
-    try:
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-            train_dpo.main(trainer_args(tmp_path / "run", *args, *sampling))
-    finally:
-        torch._dynamo.reset()
-    rows = [json.loads(line) for line in open(tmp_path / "run" / "samples.jsonl")]
-    assert len(rows) == 2 * 2  # two samples at each of the two evaluations
-    # Training, evaluation and the reference, with and without gradients, a first shape static and
-    # then dynamic ones: a few variants, under the limit of 8.
-    assert 0 < counters["stats"]["unique_graphs"] <= 5, dict(counters["stats"])
-
-
 GATHERS = """
-import json, os, sys
+import contextlib, json, os
+from unittest import mock
 import torch, torch.distributed as dist
 from torch.distributed.tensor import DTensor
 import data, fsdp_setup, models, precision, generate, train_dpo
 
-rank, world, device = fsdp_setup.init_distributed("cpu")
-tok = data.load_tokenizer("tiny")
-config = models.load_model_config("tiny", tok)
-cfg = train_dpo.Config()
-mp_policy = precision.resolve_precision(precision.PrecisionConfig("fp32"), device).mp_policy
-
-
-def make():
-    return train_dpo.prepare_model(cfg, models.build_model(config))
-
-
-model = fsdp_setup.build_sharded(
-    make, models.open_weights("tiny", config, 4), mp_policy, device, cfg.fsdp
-)
 gathers = [0]
 
 
@@ -4493,86 +4533,92 @@ def counted(real):
     return gather
 
 
-# FSDP2's all-gathers, whichever of the two it calls.
-dist.all_gather_single = counted(dist.all_gather_single)
-dist.all_gather_into_tensor = counted(dist.all_gather_into_tensor)
-prompts = [tok("Review the red lamp:")["input_ids"][:-1], tok("Hi")["input_ids"][:-1]]
-groups = [g for m in model.modules() if hasattr(m, "_get_fsdp_state")
-          for g in m._get_fsdp_state()._fsdp_param_groups]
-
-
-def settings():
-    return [g.post_forward_mesh_info is not None for g in groups]
-
-
-def sharded():
-    return all(
-        isinstance(p, DTensor) and p.to_local().numel() <= -(-p.numel() // world)
-        for p in model.parameters()
-    )
-
-
 def nothing_kept(model, device):
     return []
 
 
-def run(new_tokens, per_token):
-    real = generate._keep_gathered
-    if per_token:  # the old path: each block resharded after each forward
-        generate._keep_gathered = nothing_kept
-    gathers[0] = 0
-    out = generate.generate(model, prompts, new_tokens, eos_id=-1, pad_id=tok.pad_token_id)
-    generate._keep_gathered = real
-    return {"gathers": gathers[0], "out": out, "settings": settings(), "sharded": sharded()}
+def generations(rank, world, device):
+    tok = data.load_tokenizer("tiny")
+    config = models.load_model_config("tiny", tok)
+    cfg = train_dpo.Config()
+    mp_policy = precision.resolve_precision(precision.PrecisionConfig("fp32"), device).mp_policy
+
+    def make():
+        return train_dpo.prepare_model(cfg, models.build_model(config))
+
+    model = fsdp_setup.build_sharded(
+        make, models.open_weights("tiny", config, 4), mp_policy, device, cfg.fsdp
+    )
+    prompts = [tok("Review the red lamp:")["input_ids"][:-1], tok("Hi")["input_ids"][:-1]]
+    groups = [g for m in model.modules() if hasattr(m, "_get_fsdp_state")
+              for g in m._get_fsdp_state()._fsdp_param_groups]
+
+    def settings():
+        return [g.post_forward_mesh_info is not None for g in groups]
+
+    def sharded():
+        return all(
+            isinstance(p, DTensor) and p.to_local().numel() <= -(-p.numel() // world)
+            for p in model.parameters()
+        )
+
+    def run(new_tokens, per_token):
+        old = mock.patch.object(generate, "_keep_gathered", nothing_kept)
+        # per_token: the old path, each block resharded after each forward
+        with old if per_token else contextlib.nullcontext():
+            gathers[0] = 0
+            out = generate.generate(model, prompts, new_tokens, eos_id=-1, pad_id=tok.pad_token_id)
+        return {"gathers": gathers[0], "out": out, "settings": settings(), "sharded": sharded()}
+
+    before = settings()
+    # Generation first: the root settles its own setting at its first forward, as in training.
+    result = {"kept": [run(2, False), run(8, False)], "per_token": [run(2, True), run(8, True)]}
+    result["before"] = before
+    return result
 
 
-def leaders():
+def leaders(rank):
     # Which ranks run on_rank0(per_node=True): as torchrun set LOCAL_RANK (one node), then as on
     # two nodes of one rank each.
     calls = []
     fsdp_setup.on_rank0(calls.append, rank, share=False, per_node=True)
-    os.environ["LOCAL_RANK"] = "0"
-    fsdp_setup.on_rank0(calls.append, rank, share=False, per_node=True)
+    with mock.patch.dict(os.environ, {"LOCAL_RANK": "0"}):
+        fsdp_setup.on_rank0(calls.append, rank, share=False, per_node=True)
     return calls
 
 
-before = settings()
-# Generation first: the root settles its own setting at its first forward, as in training.
-result = {"kept": [run(2, False), run(8, False)], "per_token": [run(2, True), run(8, True)]}
-result["before"] = before
-result["leaders"] = leaders()
-with open(sys.argv[1] + f"/rank{rank}.json", "w") as f:
-    json.dump(result, f)
-fsdp_setup.exit_without_shutdown(0)
+def main(argv):  # LOCKSTEP's check, then these; patched only while they run
+    out = argv[argv.index("--out-dir") + 1]
+    os.makedirs(out, exist_ok=True)
+    # A rank left waiting in a collective: an error within a minute, not a hang.
+    rank, world, device = fsdp_setup.init_distributed("cpu", timeout_s=60)
+    try:
+        lockstep(out)
+        # FSDP2's all-gathers, whichever of the two it calls.
+        with (
+            mock.patch.object(dist, "all_gather_single", counted(dist.all_gather_single)),
+            mock.patch.object(dist, "all_gather_into_tensor", counted(dist.all_gather_into_tensor)),
+        ):
+            result = generations(rank, world, device)
+        result["leaders"] = leaders(rank)
+        with open(os.path.join(out, f"gathers-{rank}.json"), "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
 """
 
 
-def two_rank_script(tmp_path, text):
-    """The script `text` run on two CPU ranks (torchrun, a core each) with the repo importable and
-    tmp_path as its argument, which must succeed."""
-    script = tmp_path / "script.py"
-    script.write_text(text)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(script),
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**SUBPROCESS_ENV, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def generation_run(two_ranks):
+    """two_ranks's "generation" run (LOCKSTEP's and GATHERS's checks), which must have succeeded."""
+    out = two_ranks[0]["generation"]
+    records = [(r["error"], r["exit"]) for r in run_records(out, 2)]
+    assert records == [(None, None)] * 2, run_lines(two_ranks[1], out)[-3000:]
+    return out
 
 
-def test_generation_gathers_each_block_once_then_reshards_and_nodes_download_once_each(tmp_path):
-    two_rank_script(tmp_path, GATHERS)
-    results = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+def test_generation_gathers_each_block_once_then_reshards_and_nodes_download_once_each(two_ranks):
+    out = generation_run(two_ranks)
+    results = [json.load(open(out / f"gathers-{r}.json")) for r in range(2)]
     # A download on one node: its first rank alone; on two nodes: each node's first rank.
     assert [r.pop("leaders") for r in results] == [[0, 0], [1]]
     assert results[0] == results[1]
@@ -4591,12 +4637,12 @@ def test_generation_gathers_each_block_once_then_reshards_and_nodes_download_onc
     assert results[0]["before"] == [True] * 5
 
 
-def test_generation_keeps_ranks_in_lockstep_when_one_finishes_early(tmp_path):
-    two_rank_script(tmp_path, LOCKSTEP)
+def test_generation_keeps_ranks_in_lockstep_when_one_finishes_early(two_ranks):
+    out = generation_run(two_ranks)
     # Both ranks ran 6 forwards (rank 0 kept stepping for rank 1, its EOS masked to padding), and
     # nothing hung.
-    assert (tmp_path / "rank0.txt").read_text() == "6 [[]]"
-    assert (tmp_path / "rank1.txt").read_text() == "6 [[3, 3, 3, 3, 3, 3]]"
+    assert (out / "lockstep-0.txt").read_text() == "6 [[]]"
+    assert (out / "lockstep-1.txt").read_text() == "6 [[3, 3, 3, 3, 3, 3]]"
 
 
 def test_two_rank_eval_counts_each_pair_once_and_writes_the_same_samples(two_ranks, tmp_path):
@@ -6344,70 +6390,79 @@ def test_scorers_match_the_reward_model_called_directly_and_bad_ones_fail_in_one
         assert not out.exists()
 
 
-def test_onpolicy_rounds_generate_train_and_export_and_two_ranks_write_the_same_rows(tmp_path):
-    """bench/onpolicy.sh, two rounds on the demo's prompts: each round's rows are its slice's
-    prompts with K completions of the round's model, scored by the scorer; it trains on them and
-    exports, and round 2 starts (model and reference) from round 1's export. Run again, it redoes
-    nothing. Generating round 1 on two ranks writes its rows byte for byte (3 batches of 2 prompts:
-    one rank runs a batch whose rows it drops)."""
-    model = tmp_path / "start"
-    tiny_model(tiny_config()[0], seed=0).save_pretrained(model)
-    load_tokenizer("tiny").save_pretrained(model)
-    prompts = [p["prompt"] for p in demo.demo_pairs("train")[:10]]
-    data_file = tmp_path / "prompts.jsonl"
-    data_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    (tmp_path / "scorer.py").write_text(
-        "def score(prompt, completion):\n    return float(len(completion) % 7)\n"
-    )
-    flags = "--max-new-tokens 8 --batch-size 2 --top-p 0.9"
+GENERATE = os.path.join(HERE, "generate.py")
+# The on-policy test's generation flags, on one rank and on two.
+ONPOLICY_FLAGS = ("--max-new-tokens", "8", "--batch-size", "2", "--top-p", "0.9")
+
+
+def onpolicy_args(folder, out):
+    """generate.py's flags for round 1 of the on-policy test, from a tiny model, the demo's first 10
+    prompts and a scorer module (`scorer:score`, by length), each written once into `folder`: 5
+    prompts in 3 batches of 2, so that on two ranks one runs a batch whose rows it drops."""
+    model = os.path.join(folder, "onpolicy-start")
+    if not os.path.isdir(model):
+        tiny_model(tiny_config()[0], seed=0).save_pretrained(model)
+        load_tokenizer("tiny").save_pretrained(model)
+        prompts = [p["prompt"] for p in demo_pairs("train")[:10]]
+        with open(os.path.join(folder, "onpolicy-prompts.jsonl"), "w") as f:
+            f.writelines(json.dumps({"prompt": p}) + "\n" for p in prompts)
+        os.makedirs(os.path.join(folder, "fake"), exist_ok=True)
+        with open(os.path.join(folder, "fake", "scorer.py"), "w") as f:
+            f.write("def score(prompt, completion):\n    return float(len(completion) % 7)\n")
+    args = ["--model", model, "--data", os.path.join(folder, "onpolicy-prompts.jsonl")]
+    args += ["--out", os.path.join(out, "rows.jsonl"), "--seed", "1", "--num-generations", "3"]
+    return [*args, "--reward", "scorer:score", "--max-prompts", "5", *ONPOLICY_FLAGS]
+
+
+def test_onpolicy_rounds_generate_train_and_export_and_two_ranks_write_the_same_rows(two_ranks):
+    """bench/onpolicy.sh, two rounds on the demo's prompts (a random tiny model writes no review,
+    so a scorer by length ranks its samples): each round's rows are its slice's prompts with K
+    completions of the round's model, scored by the scorer; it trains on them and exports, and
+    round 2 starts (model and reference) from round 1's export. Run again, it redoes nothing.
+    Round 1 generated on two ranks (two_ranks's "rows") wrote the same rows byte for byte."""
+    outs, _ = two_ranks
+    folder = outs["rows"].parent
+    model = folder / "onpolicy-start"
+    prompts = [p["prompt"] for p in demo_pairs("train")[:10]]
+    out = folder / "onpolicy"
     env = {
         **os.environ,
-        "PYTHONPATH": str(tmp_path),
+        "PYTHONPATH": str(folder / "fake"),
         "MODEL": str(model),
-        "DATA": str(data_file),
-        "OUT": str(tmp_path / "on"),
+        "DATA": str(folder / "onpolicy-prompts.jsonl"),
+        "OUT": str(out),
         "ROUNDS": "2",
         "PROMPTS": "5",
         "K": "3",
         "REWARD": "scorer:score",
         "PY": sys.executable,
-        "GEN_FLAGS": flags,
+        "GEN_FLAGS": " ".join(ONPOLICY_FLAGS),
         "TRAIN_FLAGS": "--batch-size 2 --lr 1e-3 --num-samples 0 --eval-fraction 0.2",
     }
     script = os.path.join(HERE, "bench", "onpolicy.sh")
     proc = subprocess.run(["bash", script], cwd=HERE, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    start = dict(safetensors.torch.load_file(str(model / "model.safetensors")))
+    start = safetensors.torch.load_file(str(model / "model.safetensors"))
     for r in (1, 2):
-        folder = tmp_path / "on" / f"round-{r}"
-        rows = [json.loads(line) for line in (folder / "rows.jsonl").read_text().splitlines()]
+        round_dir = out / f"round-{r}"
+        rows = [json.loads(line) for line in (round_dir / "rows.jsonl").read_text().splitlines()]
         assert [row["prompt"] for row in rows] == prompts[(r - 1) * 5 : r * 5]
         for row in rows:
             assert len(row["responses"]) == 3
             assert row["scores"] == [float(len(c) % 7) for c in row["responses"]]
-        meta = json.loads((folder / "rows.jsonl.json").read_text())
-        previous = str(model) if r == 1 else str(tmp_path / "on" / "round-1" / "final")
+        meta = json.loads((round_dir / "rows.jsonl.json").read_text())
+        previous = str(model) if r == 1 else str(out / "round-1" / "final")
         assert meta["model"] == previous and meta["seed"] == r and meta["prompts"] == 5
-        config = json.loads((folder / "final" / "train_config.json").read_text())
+        config = json.loads((round_dir / "final" / "train_config.json").read_text())
         assert config["model"] == previous
-        logged = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        logged = [json.loads(x) for x in (round_dir / "metrics.jsonl").read_text().splitlines()]
         assert any(x.get("split") == "train" and x["step"] == 1 for x in logged)
         assert any(x.get("split") == "eval" for x in logged)
-        final = safetensors.torch.load_file(str(folder / "final" / "model.safetensors"))
+        final = safetensors.torch.load_file(str(round_dir / "final" / "model.safetensors"))
         assert not torch.equal(final["model.norm.weight"], start["model.norm.weight"])
         start = final
     again = subprocess.run(["bash", script], cwd=HERE, env=env, capture_output=True, text=True)
-    assert again.returncode == 0 and "round 1 of" not in again.stdout
-    out = tmp_path / "two-ranks.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    args = ["--model", str(model), "--data", str(data_file), "--out", str(out), "--seed", "1"]
-    args += ["--num-generations", "3", "--reward", "scorer:score", "--max-prompts", "5"]
-    proc = subprocess.run(
-        [*cmd, os.path.join(HERE, "generate.py"), *args, *flags.split()],
-        cwd=HERE,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert out.read_bytes() == (tmp_path / "on" / "round-1" / "rows.jsonl").read_bytes()
+    assert again.returncode == 0 and "round 1 of" not in again.stdout, again.stdout
+    assert [r["exit"] for r in run_records(outs["rows"], 2)] == [None, None]
+    two = (outs["rows"] / "rows.jsonl").read_bytes()
+    assert two == (out / "round-1" / "rows.jsonl").read_bytes()

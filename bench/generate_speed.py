@@ -8,13 +8,15 @@ alike. From the repo root:
     python bench/generate_speed.py MODEL PROMPT_TOKENS [K=4] [NEW=64] [PROMPTS=8] [ROUNDS=3]
 """
 
+import os
 import sys
 import time
 
 import torch
 import transformers
 
-import generate
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import generate  # noqa: E402
 
 model_dir, prompt_len = sys.argv[1], int(sys.argv[2])
 k, new, n, rounds = [int(x) for x in (sys.argv[3:] + ["4", "64", "8", "3"][len(sys.argv) - 3 :])]
