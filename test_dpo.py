@@ -3,9 +3,14 @@ code, a 1-rank run. Tiny models, a few minutes on 2 cores: `pytest test_dpo.py`.
 
 The trainer's runs here mean the CPU (--device cpu, gloo), so they compare bit for bit with CPU
 references on any machine. Tests that need a GPU say so (needs_cuda) and are skipped without one;
-they run the same checks on CUDA with nccl."""
+they run the same checks on CUDA with nccl.
+
+The runs that take processes of their own (torchrun's ranks, signals, bench scripts) start in a
+thread of their own as the suite begins (Background), while the tests in this process run on one
+thread: on 2 cores the two overlap."""
 
 import ast
+import concurrent.futures
 import contextlib
 import copy
 import dataclasses
@@ -91,8 +96,14 @@ needs_cuda_bf16 = pytest.mark.skipif(
     reason="needs a CUDA GPU with native bfloat16",
 )
 CACHE = tempfile.mkdtemp(prefix="dpo-test-cache-")  # tokenized data, shared by the tests' runs
+# The tests in this process take one thread unless OMP_NUM_THREADS says otherwise: on 2 cores the
+# other one runs Background's processes meanwhile. Processes started here take as many, so that a
+# run there computes what it computes here.
+if "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(1)
 SUBPROCESS_ENV = {
     **os.environ,
+    "OMP_NUM_THREADS": str(torch.get_num_threads()),
     "PYTHONPATH": HERE,
 }  # the repo's files importable from a script in tmp_path
 CPU = torch.device("cpu")
@@ -368,6 +379,35 @@ def run_lines(stderr, out):
 def run_records(out, ranks):
     """torchrun_runs's run-{rank}.json of a run, rank by rank."""
     return [json.load(open(os.path.join(out, f"run-{r}.json"))) for r in range(ranks)]
+
+
+class Background:
+    """The suite's runs in processes of their own, one after another in a thread of their own while
+    the tests go on in this one: on 2 cores their processes take the core this one leaves. A run's
+    start function, given the fixture request and a fresh folder, writes the run's inputs (in this
+    thread) and returns what the background thread calls: (function, *args). result(name) waits for
+    that call's value, starting the run first if nothing has."""
+
+    def __init__(self, request, tmp_path_factory, starts):
+        self.request = request
+        self.tmp_path_factory = tmp_path_factory
+        self.starts = starts
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        self.futures = {}
+
+    def start(self, name):
+        if name not in self.futures:
+            folder = self.tmp_path_factory.mktemp(name)
+            function, *args = self.starts[name](self.request, folder)
+            self.futures[name] = self.executor.submit(function, *args)
+
+    def result(self, name):
+        self.start(name)
+        return self.futures[name].result()
+
+    def close(self):
+        # What has not started never will; a run under way ends within its timeout.
+        self.executor.shutdown(cancel_futures=True)
 
 
 def load_safetensors(folder):
@@ -1928,31 +1968,6 @@ def test_bad_input_is_one_clean_line_and_writes_nothing(tmp_path, capsys, name):
     assert err.startswith(f"error: {path}") and message in err and "\n" not in err
 
 
-def test_bad_input_from_the_command_line_has_no_traceback(processes, tmp_path, capsys):
-    out, code, err = processes[0]["bad"]
-    bad = out.parent / "bad.jsonl"
-    assert code == 2 and "Traceback" not in err, err
-    assert err.strip().count("\n") == 0 and err.startswith(f"error: {bad}:1: field 'rejected'")
-    # A config's own check fails through tyro's parser, in main() as from the command line.
-    with pytest.raises(SystemExit) as exit_info:
-        train_dpo.main(
-            [
-                "--out-dir",
-                str(tmp_path / "o"),
-                *ON_CPU,
-                "--no-warm-start",
-                "--batch-size",
-                "30",
-                "--micro-batch-size",
-                "4",
-            ]
-        )
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err.count("\n") == 1
-    assert err.startswith("error: --batch-size 30 must be a multiple")
-    assert not (tmp_path / "o").exists()
-
-
 # ---------------------------------------------------------------------------------- precision, FSDP
 def test_precision_names_and_errors():
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
@@ -2344,22 +2359,14 @@ def converted_runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", [*CONVERTED, "lora"])
-def test_converted_checkpoints_train_from_ln2_on_one_and_two_ranks_and_export_loadably(
-    kind, converted_runs, two_ranks
-):
-    """From loss ln 2; two ranks as one; the export has save_pretrained's names, loads in
-    transformers and scores the held-out set as the run's last evaluation did."""
+def test_converted_checkpoints_train_from_ln2_and_export_loadably(kind, converted_runs):
+    """From loss ln 2; the export has save_pretrained's names, loads in transformers and scores the
+    held-out set as the run's last evaluation did. (Two ranks as one: in two_ranks's tests.)"""
     one = converted_runs[kind]
     folder = converted_model("gpt_neox" if kind == "lora" else kind)
     assert read_metrics(one)[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     final = os.path.join(one, "final")
     assert _file_tensors(final).keys() == _file_tensors(folder).keys()
-    if kind != "lora":
-        _assert_same_run(one, str(two_ranks[0][kind]), exact=False)
-        # The run's own line: the last before it says where it saved.
-        err = two_ranks[1].split(f"saved {two_ranks[0][kind] / 'final'}")[0]
-        by_rank = re.findall(r"after loading, GB by rank: ([\d.]+) ([\d.]+)", err)[-1]
-        assert max(map(float, by_rank)) <= 1.15 * min(map(float, by_rank))
     model = add_scored_head(transformers.AutoModelForCausalLM.from_pretrained(final))
     reference = add_scored_head(transformers.AutoModelForCausalLM.from_pretrained(folder))
     tok = transformers.AutoTokenizer.from_pretrained(final)
@@ -3487,8 +3494,9 @@ def init(**kwargs):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(six_steps, k_files, tmp_path_factory):
-    """Fifteen runs in one start of two ranks (torchrun_runs), each checked by its own test.
+def two_ranks(background):
+    """Fifteen runs in one start of two ranks (torchrun_runs: Background's "two_ranks"), each
+    checked by its own test.
     "resumed": six_steps's step-4 checkpoint, copied as its latest, resumed (--resume latest) with
     micro-batches of 2 (4 a step and rank),
     tokenizing into an empty cache; "offload": the same with --cpu-offload (and activation
@@ -3499,7 +3507,19 @@ def two_ranks(six_steps, k_files, tmp_path_factory):
     FP16_OVERFLOW under INJECT; "preempted": SIX under PREEMPT; "generation": LOCKSTEP's and
     GATHERS's checks; "rows": generate.py's round 1 of the on-policy test (onpolicy_args). Returns
     ({name: out_dir}, stderr of all)."""
-    folder = tmp_path_factory.mktemp("two-ranks")
+    outs, proc = background.result("two_ranks")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The failing W&B run and the scripts' runs: their tests read their records.
+    for name in set(outs) - {"wandb", "fp16", "preempted", "generation", "rows"}:
+        records = [(r["error"], r["exit"]) for r in run_records(outs[name], 2)]
+        assert records == [(None, None)] * 2, proc.stderr[-3000:]
+    return outs, proc.stderr
+
+
+def start_two_ranks(request, folder):
+    """Background's start of two_ranks: six_steps's checkpoint copied, the scripts written."""
+    six_steps = request.getfixturevalue("six_steps")
+    k_files = request.getfixturevalue("k_files")
     names = ("resumed", "offload", "eval", "lora", "wandb", "objectives", "oracle", "krows")
     names += (*CONVERTED, "fp16", "preempted", "generation", "rows")
     outs = {name: folder / name for name in names}
@@ -3512,71 +3532,77 @@ def two_ranks(six_steps, k_files, tmp_path_factory):
     scripts = {"inject": INJECT, "preempt": PREEMPT, "generation": LOCKSTEP + GATHERS}
     for name, text in scripts.items():
         (folder / f"{name}.py").write_text(text)
-    proc = torchrun_runs(
-        2,
-        [
-            trainer_args(
-                outs["resumed"],
-                "--max-steps",
-                "6",
-                "--micro-batch-size",
-                "2",
-                "--resume",
-                "latest",
-                "--cache-dir",
-                str(folder / "cache"),
-            ),
-            trainer_args(
-                outs["offload"],
-                "--max-steps",
-                "6",
-                "--micro-batch-size",
-                "2",
-                "--resume",
-                resume,
-                "--cpu-offload",
-                "--activation-checkpointing",
-                "--save-every",
-                "1",
-            ),
-            trainer_args(outs["eval"], *EVAL_ARGS),
-            trainer_args(
-                outs["lora"],
-                *REF_DATA,
-                *REF_LORA,
-                "--cpu-offload",
-                "--cache-dir",
-                str(folder / "ref-cache"),
-            ),
-            trainer_args(outs["wandb"], "--max-steps", "2", "--wandb-project", "p"),
-            trainer_args(outs["objectives"], *OBJECTIVES),
-            trainer_args(outs["oracle"], *ORACLE_ARGS),
-            trainer_args(outs["krows"], *k_step_args(k_files[0], len(K_ROWS))),
-            *[trainer_args(outs[kind], *converted_args(kind)) for kind in CONVERTED],
-            {
-                "argv": trainer_args(outs["fp16"], *FP16_OVERFLOW),
-                "script": str(folder / "inject.py"),
-            },
-            {"argv": trainer_args(outs["preempted"], *SIX), "script": str(folder / "preempt.py")},
-            {
-                "argv": ["--out-dir", str(outs["generation"])],
-                "script": str(folder / "generation.py"),
-            },
-            {"argv": onpolicy_args(folder, outs["rows"]), "script": GENERATE},
-        ],
-        pythonpath=[str(folder / "fake")],
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    # The failing W&B run and the scripts' runs: their tests read their records.
-    for name in set(names) - {"wandb", "fp16", "preempted", "generation", "rows"}:
-        records = [(r["error"], r["exit"]) for r in run_records(outs[name], 2)]
-        assert records == [(None, None)] * 2, proc.stderr[-3000:]
-    return outs, proc.stderr
+    runs = [
+        trainer_args(
+            outs["resumed"],
+            "--max-steps",
+            "6",
+            "--micro-batch-size",
+            "2",
+            "--resume",
+            "latest",
+            "--cache-dir",
+            str(folder / "cache"),
+        ),
+        trainer_args(
+            outs["offload"],
+            "--max-steps",
+            "6",
+            "--micro-batch-size",
+            "2",
+            "--resume",
+            resume,
+            "--cpu-offload",
+            "--activation-checkpointing",
+            "--save-every",
+            "1",
+        ),
+        trainer_args(outs["eval"], *EVAL_ARGS),
+        trainer_args(
+            outs["lora"],
+            *REF_DATA,
+            *REF_LORA,
+            "--cpu-offload",
+            "--cache-dir",
+            str(folder / "ref-cache"),
+        ),
+        trainer_args(outs["wandb"], "--max-steps", "2", "--wandb-project", "p"),
+        trainer_args(outs["objectives"], *OBJECTIVES),
+        trainer_args(outs["oracle"], *ORACLE_ARGS),
+        trainer_args(outs["krows"], *k_step_args(k_files[0], len(K_ROWS))),
+        *[trainer_args(outs[kind], *converted_args(kind)) for kind in CONVERTED],
+        {
+            "argv": trainer_args(outs["fp16"], *FP16_OVERFLOW),
+            "script": str(folder / "inject.py"),
+        },
+        {"argv": trainer_args(outs["preempted"], *SIX), "script": str(folder / "preempt.py")},
+        {
+            "argv": ["--out-dir", str(outs["generation"])],
+            "script": str(folder / "generation.py"),
+        },
+        {"argv": onpolicy_args(folder, outs["rows"]), "script": GENERATE},
+    ]
+    return _run_two_ranks, outs, runs, [str(folder / "fake")]
+
+
+def _run_two_ranks(outs, runs, pythonpath):
+    return outs, torchrun_runs(2, runs, pythonpath=pythonpath)
 
 
 def test_two_ranks_match_one_with_every_objective_option_on(objectives_run, two_ranks):
     # The syncs change the reference from step 3 on, alike on one rank and two.
     _assert_same_run(objectives_run, str(two_ranks[0]["objectives"]), exact=False)
+
+
+@pytest.mark.parametrize("kind", CONVERTED)
+def test_converted_checkpoints_train_on_two_ranks_as_on_one_loading_alike(
+    kind, converted_runs, two_ranks
+):
+    _assert_same_run(converted_runs[kind], str(two_ranks[0][kind]), exact=False)
+    # The run's own line: the last before it says where it saved.
+    err = two_ranks[1].split(f"saved {two_ranks[0][kind] / 'final'}")[0]
+    by_rank = re.findall(r"after loading, GB by rank: ([\d.]+) ([\d.]+)", err)[-1]
+    assert max(map(float, by_rank)) <= 1.15 * min(map(float, by_rank))
 
 
 def test_a_failing_wandb_init_on_rank_0_stops_every_rank_at_once(two_ranks):
@@ -3780,13 +3806,17 @@ BAD_ROW = '{"prompt": "a", "chosen": "b", "rejected": 3}\n'
 
 
 @pytest.fixture(scope="module")
-def processes(tmp_path_factory):
-    """The runs that must each be a process of their own, started together: on 2 cores their
-    imports overlap. "sigusr1": a run of 200 steps saving in the background, sent SIGUSR1 (SLURM's
+def processes(background):
+    """The runs that must each be a process of their own, started together (Background's
+    "processes"): "sigusr1": a run of 200 steps saving in the background, sent SIGUSR1 (SLURM's
     warning before the time limit) once steps 1-2 are logged; "killed": SIX saving every 2 steps in
     the background under KILL_MID_SAVE; "bad": train_dpo.py given a file with BAD_ROW. Returns
     {name: (out_dir, exit code, stderr)} and the seconds from the signal to sigusr1's exit."""
-    folder = tmp_path_factory.mktemp("processes")
+    return background.result("processes")
+
+
+def start_processes(request, folder):
+    """Background's start of processes."""
     (folder / "kill.py").write_text(KILL_MID_SAVE)
     (folder / "bad.jsonl").write_text(BAD_ROW)
     trainer = os.path.join(HERE, "train_dpo.py")
@@ -3802,16 +3832,18 @@ def processes(tmp_path_factory):
         ],
         "bad": [trainer, "--out-dir", folder / "bad", *ON_CPU, "--data", folder / "bad.jsonl"],
     }
+    return _run_processes, folder, commands
+
+
+def _run_processes(folder, commands):
     procs = {}
     for name, cmd in commands.items():
-        # A core each where no result depends on the threads' count: "killed" ends as six_steps.
-        threads = {} if name == "killed" else {"OMP_NUM_THREADS": "1"}
         with open(folder / f"{name}.err", "w") as err:
             procs[name] = subprocess.Popen(
                 [sys.executable, *map(str, cmd)],
                 stdout=subprocess.DEVNULL,
                 stderr=err,
-                env={**SUBPROCESS_ENV, **threads},
+                env=SUBPROCESS_ENV,
             )
     try:
         metrics = folder / "sigusr1" / "metrics.jsonl"
@@ -3836,6 +3868,31 @@ def processes(tmp_path_factory):
         for name, proc in procs.items()
     }
     return results, waited
+
+
+def test_bad_input_from_the_command_line_has_no_traceback(processes, tmp_path, capsys):
+    out, code, err = processes[0]["bad"]
+    bad = out.parent / "bad.jsonl"
+    assert code == 2 and "Traceback" not in err, err
+    assert err.strip().count("\n") == 0 and err.startswith(f"error: {bad}:1: field 'rejected'")
+    # A config's own check fails through tyro's parser, in main() as from the command line.
+    with pytest.raises(SystemExit) as exit_info:
+        train_dpo.main(
+            [
+                "--out-dir",
+                str(tmp_path / "o"),
+                *ON_CPU,
+                "--no-warm-start",
+                "--batch-size",
+                "30",
+                "--micro-batch-size",
+                "4",
+            ]
+        )
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("error: --batch-size 30 must be a multiple")
+    assert not (tmp_path / "o").exists()
 
 
 def test_sigusr1_from_outside_saves_the_finished_step_and_exits_promptly(processes):
@@ -3924,8 +3981,31 @@ def test_background_saves_reuse_the_staging_buffers_and_each_holds_its_own_step(
             assert all(torch.equal(loaded[k], v) for k, v in expected[step - 1].items()), step
 
 
+def start_hsdp_runs(request, folder):
+    """Background's "hsdp_runs": on four ranks, 6 steps as 2 replicas of 2 shards, then as FSDP
+    from its step-4 checkpoint (2x2 -> 4). Its value: (the two out_dirs, the start's
+    CompletedProcess)."""
+    hsdp = folder / "hsdp"
+    fsdp = folder / "fsdp"
+    four = ("--max-steps", "6", "--micro-batch-size", "4")
+    runs = [
+        trainer_args(hsdp, *four, "--replicas", "2", "--save-every", "4"),
+        trainer_args(fsdp, *four, "--resume", str(hsdp / "checkpoints" / "step-4")),
+    ]
+    return _run_hsdp, hsdp, fsdp, runs
+
+
+def _run_hsdp(hsdp, fsdp, runs):
+    return hsdp, fsdp, torchrun_runs(4, runs)
+
+
+@pytest.fixture(scope="module")
+def hsdp_runs(background):
+    return background.result("hsdp_runs")
+
+
 def test_hsdp_two_replicas_of_two_shards_match_one_rank_and_resume_as_fsdp_on_four(
-    six_steps, tmp_path, capsys
+    six_steps, hsdp_runs, tmp_path, capsys
 ):
     with pytest.raises(SystemExit) as exit_info:
         run(tmp_path, "one", "--replicas", "2")
@@ -3933,18 +4013,7 @@ def test_hsdp_two_replicas_of_two_shards_match_one_rank_and_resume_as_fsdp_on_fo
         exit_info.value.code == 2
         and "--replicas 2 does not divide the 1 ranks" in capsys.readouterr().err
     )
-    hsdp, fsdp, four = (
-        tmp_path / "hsdp",
-        tmp_path / "fsdp",
-        ("--max-steps", "6", "--micro-batch-size", "4"),
-    )
-    proc = torchrun_runs(
-        4,
-        [
-            trainer_args(hsdp, *four, "--replicas", "2", "--save-every", "4"),
-            trainer_args(fsdp, *four, "--resume", str(hsdp / "checkpoints" / "step-4")),
-        ],
-    )  # 2x2 -> 4
+    hsdp, fsdp, proc = hsdp_runs
     assert proc.returncode == 0, proc.stderr[-3000:]
     hsdp_err, fsdp_err = proc.stderr.split(f"saved {hsdp / 'final'}")
     assert "4 rank(s) as 2 replicas x 2 shards (HSDP)" in hsdp_err  # the policy's mesh, as built
@@ -5079,21 +5148,34 @@ def test_concern_files_import_only_stdlib_and_torch():
                 assert allowed, f"{name} imports {mod}"
 
 
-def test_each_concern_file_imports_alone(tmp_path):
-    """Copy each file into a folder of its own and import it there, with no sibling reachable."""
+def start_imports(request, folder):
+    """Background's "imports": each concern file copied into a folder of its own and imported
+    there, with no sibling reachable, in a process of its own."""
     for f in CONCERN_FILES:
-        (tmp_path / f[:-3]).mkdir()
-        (tmp_path / f[:-3] / f).write_text(open(os.path.join(HERE, f)).read())
+        (folder / f[:-3]).mkdir()
+        (folder / f[:-3] / f).write_text(open(os.path.join(HERE, f)).read())
     script = (
         f"import importlib, sys; names = {[f[:-3] for f in CONCERN_FILES]!r}\n"
         "for n in names:\n"
         "    sys.path.insert(0, n); importlib.import_module(n); sys.path.pop(0)\n"
         "    [sys.modules.pop(m, None) for m in names]\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr
+    return _import_each, folder, script
+
+
+def _import_each(folder, script):
+    cmd = [sys.executable, "-c", script]
+    env = SUBPROCESS_ENV
+    return subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def imports(background):
+    return background.result("imports")
+
+
+def test_each_concern_file_imports_alone(imports):
+    assert imports.returncode == 0, imports.stderr
 
 
 def _end_of_line_comments_and_code_lines(source: str) -> tuple[int, int]:
@@ -6414,21 +6496,16 @@ def onpolicy_args(folder, out):
     return [*args, "--reward", "scorer:score", "--max-prompts", "5", *ONPOLICY_FLAGS]
 
 
-def test_onpolicy_rounds_generate_train_and_export_and_two_ranks_write_the_same_rows(two_ranks):
-    """bench/onpolicy.sh, two rounds on the demo's prompts (a random tiny model writes no review,
-    so a scorer by length ranks its samples): each round's rows are its slice's prompts with K
-    completions of the round's model, scored by the scorer; it trains on them and exports, and
-    round 2 starts (model and reference) from round 1's export. Run again, it redoes nothing.
-    Round 1 generated on two ranks (two_ranks's "rows") wrote the same rows byte for byte."""
-    outs, _ = two_ranks
-    folder = outs["rows"].parent
-    model = folder / "onpolicy-start"
-    prompts = [p["prompt"] for p in demo_pairs("train")[:10]]
+def start_onpolicy(request, folder):
+    """Background's "onpolicy": bench/onpolicy.sh's two rounds from onpolicy_args's model,
+    prompts and scorer, then the script again. Its value: (the rounds' folder, both runs'
+    CompletedProcess)."""
+    onpolicy_args(folder, folder / "rows")  # writes the start model, prompts and scorer
     out = folder / "onpolicy"
     env = {
-        **os.environ,
+        **SUBPROCESS_ENV,
         "PYTHONPATH": str(folder / "fake"),
-        "MODEL": str(model),
+        "MODEL": str(folder / "onpolicy-start"),
         "DATA": str(folder / "onpolicy-prompts.jsonl"),
         "OUT": str(out),
         "ROUNDS": "2",
@@ -6439,9 +6516,34 @@ def test_onpolicy_rounds_generate_train_and_export_and_two_ranks_write_the_same_
         "GEN_FLAGS": " ".join(ONPOLICY_FLAGS),
         "TRAIN_FLAGS": "--batch-size 2 --lr 1e-3 --num-samples 0 --eval-fraction 0.2",
     }
+    return _run_onpolicy, out, env
+
+
+def _run_onpolicy(out, env):
     script = os.path.join(HERE, "bench", "onpolicy.sh")
     proc = subprocess.run(["bash", script], cwd=HERE, env=env, capture_output=True, text=True)
+    again = subprocess.run(["bash", script], cwd=HERE, env=env, capture_output=True, text=True)
+    return out, proc, again
+
+
+@pytest.fixture(scope="module")
+def onpolicy(background):
+    return background.result("onpolicy")
+
+
+def test_onpolicy_rounds_generate_train_and_export_and_two_ranks_write_the_same_rows(
+    two_ranks, onpolicy
+):
+    """bench/onpolicy.sh, two rounds on the demo's prompts (a random tiny model writes no review,
+    so a scorer by length ranks its samples): each round's rows are its slice's prompts with K
+    completions of the round's model, scored by the scorer; it trains on them and exports, and
+    round 2 starts (model and reference) from round 1's export. Run again, it redoes nothing.
+    Round 1 generated on two ranks (two_ranks's "rows") wrote the same rows byte for byte."""
+    outs, _ = two_ranks
+    out, proc, again = onpolicy
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    model = out.parent / "onpolicy-start"
+    prompts = [p["prompt"] for p in demo_pairs("train")[:10]]
     start = safetensors.torch.load_file(str(model / "model.safetensors"))
     for r in (1, 2):
         round_dir = out / f"round-{r}"
@@ -6461,8 +6563,27 @@ def test_onpolicy_rounds_generate_train_and_export_and_two_ranks_write_the_same_
         final = safetensors.torch.load_file(str(round_dir / "final" / "model.safetensors"))
         assert not torch.equal(final["model.norm.weight"], start["model.norm.weight"])
         start = final
-    again = subprocess.run(["bash", script], cwd=HERE, env=env, capture_output=True, text=True)
     assert again.returncode == 0 and "round 1 of" not in again.stdout, again.stdout
     assert [r["exit"] for r in run_records(outs["rows"], 2)] == [None, None]
     two = (outs["rows"] / "rows.jsonl").read_bytes()
     assert two == (out / "round-1" / "rows.jsonl").read_bytes()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def background(request, tmp_path_factory):
+    """Background's runs, started as the module's tests begin, in the order the tests read them,
+    each where a selected test needs it."""
+    starts = {
+        "two_ranks": start_two_ranks,
+        "processes": start_processes,
+        "hsdp_runs": start_hsdp_runs,
+        "imports": start_imports,
+        "onpolicy": start_onpolicy,
+    }
+    runs = Background(request, tmp_path_factory, starts)
+    wanted = {name for item in request.session.items for name in item.fixturenames}
+    for name in starts:
+        if name in wanted:
+            runs.start(name)
+    yield runs
+    runs.close()
