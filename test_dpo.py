@@ -371,6 +371,12 @@ def torchrun_runs(nproc, runs, pythonpath=()):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
 
 
+def run_ranks(nproc, outs, runs, pythonpath=()):
+    """torchrun_runs(nproc, runs, pythonpath), for Background: ({name: out_dir}, its
+    CompletedProcess)."""
+    return outs, torchrun_runs(nproc, runs, pythonpath)
+
+
 def run_lines(stderr, out):
     """What rank 0 wrote to stderr in torchrun_runs's run `out` (lines of rank 1 may mix in)."""
     return stderr.split(f"{RUN_START}{out}\n")[1].split(RUN_START)[0]
@@ -2452,57 +2458,6 @@ def test_activation_checkpointing_and_resharding_change_memory_not_math():
             torch.testing.assert_close(g, results[0][1][n], rtol=1e-6, atol=1e-7)
 
 
-def test_compiled_blocks_train_like_eager_with_evaluation_and_samples_under_the_recompile_limit(
-    tmp_path,
-):
-    """CPU: inductor's C++ kernels; with activation checkpointing, so its recomputation is compiled
-    too. SimPO, reference-free: the policy's forward and backward are what inductor compiles; a
-    no-grad graph (evaluation's, a reference's) would be as long again to compile on a CPU, and is
-    the same blocks' forward: Dynamo's eager backend runs it. Against the same 3 steps eager
-    (checkpointing changes no math: tested above), step by step and at each evaluation.
-
-    The recompile limit: past it, Dynamo runs the blocks eager without a word; here it fails the run
-    instead. Generation's forwards (a KV cache, one-token queries, a variant per layer index) ran
-    compiled code and filled the limit: here samples at each evaluation, between training steps."""
-    from torch._dynamo.utils import counters
-
-    inductor, real = torch._dynamo.lookup_backend("inductor"), torch.nn.Module.compile
-
-    def backend(graph, example_inputs):
-        if torch.is_grad_enabled():  # the grad mode Dynamo traced (and guards) it in
-            return inductor(graph, example_inputs)
-        return graph.forward
-
-    def compile_with(self, *args, **kwargs):
-        real(self, *args, **kwargs, backend=backend)
-
-    args = ("--max-steps", "3", "--micro-batch-size", "8", "--loss", "simpo", "--eval-every", "1")
-    args += ("--num-samples", "2", "--sample-max-tokens", "4")
-    eager = run(tmp_path, "eager", *args)
-    # Variants of the blocks' code object from earlier compiled runs in this process would count.
-    torch._dynamo.reset()
-    counters.clear()
-    try:
-        with (
-            pytest.MonkeyPatch.context() as monkeypatch,
-            torch._dynamo.config.patch(fail_on_recompile_limit_hit=True),
-        ):
-            monkeypatch.setattr(torch.nn.Module, "compile", compile_with)
-            compiled = run(tmp_path, "compiled", *args, "--activation-checkpointing", "--compile")
-    finally:
-        torch._dynamo.reset()
-    # Dynamo captured the blocks' forward as graphs, and AOT autograd compiled their backward.
-    assert counters["aot_autograd"]["ok"] > 0
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    # Training and evaluation, with and without gradients, a first shape static and then dynamic
-    # ones: a few variants, under the limit of 8.
-    assert 0 < counters["stats"]["unique_graphs"] <= 5, dict(counters["stats"])
-    rows = [json.loads(line) for line in open(os.path.join(compiled, "samples.jsonl"))]
-    assert [r["step"] for r in rows] == [1, 1, 2, 2, 3, 3]  # two samples at each evaluation
-    _assert_same_rows(read_metrics(compiled), read_metrics(eager), ("loss", "grad_norm", "lr"))
-    _assert_same_rows(read_metrics(compiled, "eval"), read_metrics(eager, "eval"), ("loss",))
-
-
 def test_a_frozen_reference_reshards_even_with_no_reshard_after_forward():
     from torch.distributed.tensor import DTensor
 
@@ -2788,18 +2743,6 @@ def test_train_step_matches_a_plain_dpo_loop(plain_dpo, tmp_path):
     assert expected["grad_norm"][0] > 4 * ORACLE["max_grad_norm"]
     assert not any(s.skipped or s.stop_requested for s in stats)
     _assert_update_close(weights, after, before, rel=1e-4)
-
-
-def test_two_ranks_train_like_the_plain_dpo_loop(plain_dpo, two_ranks):
-    """The whole trainer on two ranks of 2 micro-batches each: the logged losses, gradient norms
-    and learning rates (get_lr against the hand-computed ones) and the exported weights."""
-    expected, before, after = plain_dpo
-    out = str(two_ranks[0]["oracle"])
-    rows = read_metrics(out)
-    assert [r["loss"] for r in rows] == pytest.approx(expected["loss"], rel=RUN_REL)
-    assert [r["grad_norm"] for r in rows] == pytest.approx(expected["grad_norm"], rel=GRAD_NORM_REL)
-    assert [r["lr"] for r in rows] == pytest.approx(ORACLE_LRS, rel=1e-12)
-    _assert_update_close(load_safetensors(os.path.join(out, "final")), after, before, rel=1e-4)
 
 
 # -------------------------------------------------------------------------------- shared prompts
@@ -3582,11 +3525,7 @@ def start_two_ranks(request, folder):
         },
         {"argv": onpolicy_args(folder, outs["rows"]), "script": GENERATE},
     ]
-    return _run_two_ranks, outs, runs, [str(folder / "fake")]
-
-
-def _run_two_ranks(outs, runs, pythonpath):
-    return outs, torchrun_runs(2, runs, pythonpath=pythonpath)
+    return run_ranks, 2, outs, runs, [str(folder / "fake")]
 
 
 def test_two_ranks_match_one_with_every_objective_option_on(objectives_run, two_ranks):
@@ -3603,6 +3542,18 @@ def test_converted_checkpoints_train_on_two_ranks_as_on_one_loading_alike(
     err = two_ranks[1].split(f"saved {two_ranks[0][kind] / 'final'}")[0]
     by_rank = re.findall(r"after loading, GB by rank: ([\d.]+) ([\d.]+)", err)[-1]
     assert max(map(float, by_rank)) <= 1.15 * min(map(float, by_rank))
+
+
+def test_two_ranks_train_like_the_plain_dpo_loop(plain_dpo, two_ranks):
+    """The whole trainer on two ranks of 2 micro-batches each: the logged losses, gradient norms
+    and learning rates (get_lr against the hand-computed ones) and the exported weights."""
+    expected, before, after = plain_dpo
+    out = str(two_ranks[0]["oracle"])
+    rows = read_metrics(out)
+    assert [r["loss"] for r in rows] == pytest.approx(expected["loss"], rel=RUN_REL)
+    assert [r["grad_norm"] for r in rows] == pytest.approx(expected["grad_norm"], rel=GRAD_NORM_REL)
+    assert [r["lr"] for r in rows] == pytest.approx(ORACLE_LRS, rel=1e-12)
+    _assert_update_close(load_safetensors(os.path.join(out, "final")), after, before, rel=1e-4)
 
 
 def test_a_failing_wandb_init_on_rank_0_stops_every_rank_at_once(two_ranks):
@@ -3982,21 +3933,16 @@ def test_background_saves_reuse_the_staging_buffers_and_each_holds_its_own_step(
 
 
 def start_hsdp_runs(request, folder):
-    """Background's "hsdp_runs": on four ranks, 6 steps as 2 replicas of 2 shards, then as FSDP
-    from its step-4 checkpoint (2x2 -> 4). Its value: (the two out_dirs, the start's
-    CompletedProcess)."""
-    hsdp = folder / "hsdp"
-    fsdp = folder / "fsdp"
+    """Background's "hsdp_runs": on four ranks, 6 steps as 2 replicas of 2 shards ("hsdp"), then
+    as FSDP from its step-4 checkpoint ("fsdp": 2x2 -> 4)."""
+    outs = {"hsdp": folder / "hsdp", "fsdp": folder / "fsdp"}
     four = ("--max-steps", "6", "--micro-batch-size", "4")
+    resume = outs["hsdp"] / "checkpoints" / "step-4"
     runs = [
-        trainer_args(hsdp, *four, "--replicas", "2", "--save-every", "4"),
-        trainer_args(fsdp, *four, "--resume", str(hsdp / "checkpoints" / "step-4")),
+        trainer_args(outs["hsdp"], *four, "--replicas", "2", "--save-every", "4"),
+        trainer_args(outs["fsdp"], *four, "--resume", str(resume)),
     ]
-    return _run_hsdp, hsdp, fsdp, runs
-
-
-def _run_hsdp(hsdp, fsdp, runs):
-    return hsdp, fsdp, torchrun_runs(4, runs)
+    return run_ranks, 4, outs, runs
 
 
 @pytest.fixture(scope="module")
@@ -4013,7 +3959,9 @@ def test_hsdp_two_replicas_of_two_shards_match_one_rank_and_resume_as_fsdp_on_fo
         exit_info.value.code == 2
         and "--replicas 2 does not divide the 1 ranks" in capsys.readouterr().err
     )
-    hsdp, fsdp, proc = hsdp_runs
+    outs, proc = hsdp_runs
+    hsdp = outs["hsdp"]
+    fsdp = outs["fsdp"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     hsdp_err, fsdp_err = proc.stderr.split(f"saved {hsdp / 'final'}")
     assert "4 rank(s) as 2 replicas x 2 shards (HSDP)" in hsdp_err  # the policy's mesh, as built
@@ -6569,6 +6517,97 @@ def test_onpolicy_rounds_generate_train_and_export_and_two_ranks_write_the_same_
     assert two == (out / "round-1" / "rows.jsonl").read_bytes()
 
 
+# ------------------------------------------------------ compiled blocks (Background runs them last)
+COMPILED = """
+import json, os
+from unittest import mock
+import torch
+from torch._dynamo.utils import counters
+import train_dpo
+inductor, real = torch._dynamo.lookup_backend("inductor"), torch.nn.Module.compile
+
+def backend(graph, example_inputs):
+    if torch.is_grad_enabled():  # the grad mode Dynamo traced (and guards) it in
+        return inductor(graph, example_inputs)
+    return graph.forward
+
+def compile_with(self, *args, **kwargs):
+    real(self, *args, **kwargs, backend=backend)
+
+def main(argv):  # patched for this run alone; Dynamo's counters to dynamo.json in its --out-dir
+    torch._dynamo.reset()  # no variants or counts from earlier runs of the start
+    counters.clear()
+    try:
+        with (
+            mock.patch.object(torch.nn.Module, "compile", compile_with),
+            torch._dynamo.config.patch(fail_on_recompile_limit_hit=True),
+        ):
+            train_dpo.main(argv)
+        record = {
+            "aot_autograd": counters["aot_autograd"]["ok"],
+            "graph_breaks": dict(counters["graph_break"]),
+            "unique_graphs": counters["stats"]["unique_graphs"],
+        }
+        out = argv[argv.index("--out-dir") + 1]
+        with open(os.path.join(out, "dynamo.json"), "w") as f:
+            json.dump(record, f)
+    finally:
+        torch._dynamo.reset()
+"""
+COMPILED_ARGS = ("--max-steps", "3", "--micro-batch-size", "8", "--loss", "simpo")
+COMPILED_ARGS += ("--eval-every", "1", "--num-samples", "2", "--sample-max-tokens", "4")
+
+
+def start_compiled_runs(request, folder):
+    """Background's "compiled_runs": in one rank's start, COMPILED_ARGS eager ("eager"), then with
+    --activation-checkpointing --compile under COMPILED ("compiled")."""
+    (folder / "compiled.py").write_text(COMPILED)
+    outs = {"eager": folder / "eager", "compiled": folder / "compiled"}
+    compiled = trainer_args(outs["compiled"], *COMPILED_ARGS, "--activation-checkpointing")
+    runs = [
+        trainer_args(outs["eager"], *COMPILED_ARGS),
+        {"argv": [*compiled, "--compile"], "script": str(folder / "compiled.py")},
+    ]
+    return run_ranks, 1, outs, runs
+
+
+@pytest.fixture(scope="module")
+def compiled_runs(background):
+    return background.result("compiled_runs")
+
+
+def test_compiled_blocks_train_like_eager_with_evaluation_and_samples_under_the_recompile_limit(
+    compiled_runs,
+):
+    """CPU: inductor's C++ kernels; with activation checkpointing, so its recomputation is compiled
+    too. SimPO, reference-free: the policy's forward and backward are what inductor compiles; a
+    no-grad graph (evaluation's, a reference's) would be as long again to compile on a CPU, and is
+    the same blocks' forward: Dynamo's eager backend runs it (COMPILED). Against the same 3 steps
+    eager (checkpointing changes no math: tested above), step by step and at each evaluation.
+
+    The recompile limit: past it, Dynamo runs the blocks eager without a word; here it fails the run
+    instead. Generation's forwards (a KV cache, one-token queries, a variant per layer index) ran
+    compiled code and filled the limit: here samples at each evaluation, between training steps."""
+    outs, proc = compiled_runs
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("eager", "compiled"):
+        records = [(r["error"], r["exit"]) for r in run_records(outs[name], 1)]
+        assert records == [(None, None)], proc.stderr[-3000:]
+    eager = str(outs["eager"])
+    compiled = str(outs["compiled"])
+    counters = json.loads((outs["compiled"] / "dynamo.json").read_text())
+    # Dynamo captured the blocks' forward as graphs, and AOT autograd compiled their backward.
+    assert counters["aot_autograd"] > 0
+    assert not counters["graph_breaks"], counters["graph_breaks"]
+    # Training and evaluation, with and without gradients, a first shape static and then dynamic
+    # ones: a few variants, under the limit of 8.
+    assert 0 < counters["unique_graphs"] <= 5, counters
+    rows = [json.loads(line) for line in open(os.path.join(compiled, "samples.jsonl"))]
+    assert [r["step"] for r in rows] == [1, 1, 2, 2, 3, 3]  # two samples at each evaluation
+    _assert_same_rows(read_metrics(compiled), read_metrics(eager), ("loss", "grad_norm", "lr"))
+    _assert_same_rows(read_metrics(compiled, "eval"), read_metrics(eager, "eval"), ("loss",))
+
+
 @pytest.fixture(scope="module", autouse=True)
 def background(request, tmp_path_factory):
     """Background's runs, started as the module's tests begin, in the order the tests read them,
@@ -6579,6 +6618,7 @@ def background(request, tmp_path_factory):
         "hsdp_runs": start_hsdp_runs,
         "imports": start_imports,
         "onpolicy": start_onpolicy,
+        "compiled_runs": start_compiled_runs,
     }
     runs = Background(request, tmp_path_factory, starts)
     wanted = {name for item in request.session.items for name in item.fixturenames}
