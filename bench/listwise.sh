@@ -34,7 +34,8 @@ for round in $(seq ${ROUNDS:-2}); do
     if [ -n "${TRL:-}" ]; then
       out=$O/$name-trl
       rm -rf $out
-      $TRL bench/trl_dpo.py $M $O/$name-pairs.jsonl $S $((B * per_row)) $P $out > $out.log 2>&1
+      TRL_ARGS='{"max_length": 1024}' \
+          $TRL bench/trl_dpo.py $M $O/$name-pairs.jsonl $S $((B * per_row)) $P $out > $out.log 2>&1
       echo "$name trl pairs $round $(tail -1 $out.log)" >> $T
     fi
   done
