@@ -387,6 +387,15 @@ def run_records(out, ranks):
     return [json.load(open(os.path.join(out, f"run-{r}.json"))) for r in range(ranks)]
 
 
+def assert_runs_ended(proc, outs, ranks):
+    """A torchrun_runs start exited 0 and each of its runs in `outs` ended on every rank with
+    neither an error nor an exit code."""
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for out in outs:
+        records = [(r["error"], r["exit"]) for r in run_records(out, ranks)]
+        assert records == [(None, None)] * ranks, proc.stderr[-3000:]
+
+
 class Background:
     """The suite's runs in processes of their own, one after another in a thread of their own while
     the tests go on in this one: on 2 cores their processes take the core this one leaves. A run's
@@ -3451,11 +3460,9 @@ def two_ranks(background):
     GATHERS's checks; "rows": generate.py's round 1 of the on-policy test (onpolicy_args). Returns
     ({name: out_dir}, stderr of all)."""
     outs, proc = background.result("two_ranks")
-    assert proc.returncode == 0, proc.stderr[-3000:]
     # The failing W&B run and the scripts' runs: their tests read their records.
-    for name in set(outs) - {"wandb", "fp16", "preempted", "generation", "rows"}:
-        records = [(r["error"], r["exit"]) for r in run_records(outs[name], 2)]
-        assert records == [(None, None)] * 2, proc.stderr[-3000:]
+    ended = set(outs) - {"wandb", "fp16", "preempted", "generation", "rows"}
+    assert_runs_ended(proc, [outs[name] for name in ended], 2)
     return outs, proc.stderr
 
 
@@ -3962,7 +3969,7 @@ def test_hsdp_two_replicas_of_two_shards_match_one_rank_and_resume_as_fsdp_on_fo
     outs, proc = hsdp_runs
     hsdp = outs["hsdp"]
     fsdp = outs["fsdp"]
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_runs_ended(proc, outs.values(), 4)
     hsdp_err, fsdp_err = proc.stderr.split(f"saved {hsdp / 'final'}")
     assert "4 rank(s) as 2 replicas x 2 shards (HSDP)" in hsdp_err  # the policy's mesh, as built
     _assert_same_run(six_steps[0], str(hsdp), exact=False, weight_atol=1e-5)  # weights within 1e-5
@@ -5113,8 +5120,9 @@ def start_imports(request, folder):
 
 def _import_each(folder, script):
     cmd = [sys.executable, "-c", script]
-    env = SUBPROCESS_ENV
-    return subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        cmd, cwd=folder, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
@@ -6589,10 +6597,7 @@ def test_compiled_blocks_train_like_eager_with_evaluation_and_samples_under_the_
     instead. Generation's forwards (a KV cache, one-token queries, a variant per layer index) ran
     compiled code and filled the limit: here samples at each evaluation, between training steps."""
     outs, proc = compiled_runs
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for name in ("eager", "compiled"):
-        records = [(r["error"], r["exit"]) for r in run_records(outs[name], 1)]
-        assert records == [(None, None)], proc.stderr[-3000:]
+    assert_runs_ended(proc, outs.values(), 1)
     eager = str(outs["eager"])
     compiled = str(outs["compiled"])
     counters = json.loads((outs["compiled"] / "dynamo.json").read_text())
