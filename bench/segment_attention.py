@@ -42,9 +42,15 @@ def per_response(module, query, key, value, attention_mask, scaling=None, **kwar
     # keys, values: (B, H, K, P + L, D)
     causal = torch.ones(LENGTH, LENGTH, dtype=torch.bool, device=query.device).tril()
     seen = torch.cat([torch.ones(LENGTH, p, dtype=torch.bool, device=query.device), causal], 1)
+    # The K responses folded into the heads: 4-D inputs, which the CPU's flash kernel takes (5-D
+    # ones fall back to the math kernel).
     responses = F.scaled_dot_product_attention(
-        _responses(query), keys, values, attn_mask=seen, scale=scaling
-    )  # (B, H, K, L, D)
+        _responses(query).flatten(1, 2),
+        keys.flatten(1, 2),
+        values.flatten(1, 2),
+        attn_mask=seen,
+        scale=scaling,
+    )  # (B, H K, L, D)
     out = torch.cat([prompt, responses.reshape(b, h, K * LENGTH, d)], 2)
     return out.transpose(1, 2).contiguous(), None
 
