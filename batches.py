@@ -35,9 +35,9 @@ class BatchConfig:
     batch_size: int = 32
     """Global rows per optimizer step, over all ranks and accumulation steps: a pair file's rows
     are pairs, a file of K scored responses per prompt has a row per prompt."""
-    micro_batch_size: int | None = None
+    micro_batch_size: int | Literal["auto"] | None = None
     """Rows per rank per forward. Default: batch-size / ranks. Accumulation = batch / (micro x
-    ranks)."""
+    ranks). auto: the largest that the memory plan says fits the GPU (or --gpu-memory)."""
     pairs: Literal["all", "best-vs-rest", "best-vs-worst"] = "all"
     """The pairs a row of K scored responses gives: every two with different scores, the best
     against each one scored lower, or against the lowest (SimPO's recipe). all, as every response
@@ -65,10 +65,12 @@ class BatchConfig:
 
     def resolve(self, world_size: int, shares_prompt: bool = True) -> "BatchConfig":
         """This config with --micro-batch-size's default for `world_size` ranks (ValueError unless
-        they split evenly), and --share-prompt only where the model and loss can
-        (`shares_prompt`)."""
+        they split evenly; auto is kept, for the caller to choose), and --share-prompt only where
+        the model and loss can (`shares_prompt`)."""
         micro = self.micro_batch_size or self.batch_size // world_size
-        if micro < 1 or self.batch_size % (micro * world_size):
+        # auto divides the rows each rank takes: that many must be whole.
+        whole = 1 if micro == "auto" else micro
+        if whole < 1 or self.batch_size % (whole * world_size):
             raise ValueError(
                 f"--batch-size {self.batch_size} must be a multiple of --micro-batch-size "
                 f"({micro}) x {world_size} ranks"
@@ -308,6 +310,13 @@ def build_batches(
     if lengths is not None:
         batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
     return batches
+
+
+def longest_rows(rows, size: int) -> list[int]:
+    """The `size` rows of `rows` (data.RowTokens) with the most tokens (row_lengths): the largest
+    micro-batch of that size a step can hold."""
+    lengths = row_lengths(rows.lengths)
+    return sorted(range(len(lengths)), key=lengths.__getitem__)[-size:]
 
 
 def rank_share(batch: list[int], rank: int, world_size: int) -> list[int]:

@@ -198,10 +198,20 @@ def find_checkpoint(root: str, spec: str) -> str:
     return spec
 
 
-def resume_state(root: str, spec: str, current: dict, fixed: dict[str, str]) -> dict:
+def resume_state(root: str, spec: str | None, current: dict, fixed: dict[str, str]) -> dict | None:
     """--resume `spec` (see find_checkpoint): the checkpoint's trainer state with its "path", once
     check_same_run finds `current` (JSON-able, compared as it would be saved) the same run in
-    every `fixed` setting."""
+    every `fixed` setting. None (no --resume): a new run, None, refused where `root` holds another
+    run's checkpoints, which it would mix with its own, or where its folder is a file."""
+    if os.path.isfile(os.path.dirname(root)):
+        raise ValueError(f"{os.path.dirname(root)} is a file: a run writes a folder there")
+    if spec is None and os.path.isfile(os.path.join(root, "latest")):
+        raise ValueError(
+            f"{root} holds a run's checkpoints: continue that run with --resume latest, or give "
+            "this one another --out-dir"
+        )
+    if spec is None:
+        return None
     path = find_checkpoint(root, spec)
     saved = {**read_trainer_state(path), "path": path}
     check_same_run(saved, json.loads(json.dumps(current)), fixed)

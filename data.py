@@ -447,6 +447,14 @@ class RowTokens:
         }
 
 
+def synthetic_rows(n: int, prompt: int, length: int, k: int) -> RowTokens:
+    """n rows of a `prompt`-token prompt and k responses, each as long as `length` leaves (all
+    token 0), scored k, ..., 1: rows of a given shape, for a memory plan without data."""
+    lengths = torch.tensor([[prompt] + [length - prompt] * k] * n)
+    scores = torch.arange(k, 0, -1, dtype=torch.float32).repeat(n, 1)
+    return RowTokens(torch.zeros(int(lengths.sum()), dtype=torch.int32), lengths, scores)
+
+
 def tokenize_rows(
     rows: list[dict], tokenizer, config: DataConfig, progress=None
 ) -> tuple[RowTokens, dict]:
@@ -779,8 +787,9 @@ def load_tokenizer(name: str, chat_template: str | None = None):
 
 def inspect(argv: list[str] | None = None) -> None:
     """python data.py PATH --model NAME [--max-length N] [--max-prompt-length N] [--truncation T]
-    [--chat-template T] [--show N]: N JSON lines {"prompt", "responses": [{"score", "text"}, ...]}
-    decoded from exactly the tokens that will be trained, then one JSON summary line."""
+    [--chat-template T] [--show N]: N JSON lines decoded from exactly the tokens that will be
+    trained, then one JSON summary line. A pair file's rows show as {"prompt", "chosen",
+    "rejected"}, rows of K scored responses as {"prompt", "responses": [{"score", "text"}, ...]}."""
     parser = argparse.ArgumentParser(prog="data.py", description=inspect.__doc__.split(":")[0])
     parser.add_argument(
         "path", help="file(s) (comma-separated), hub:NAME[:SPLIT] or hub:NAME:CONFIG:SPLIT"
@@ -808,23 +817,23 @@ def inspect(argv: list[str] | None = None) -> None:
             chat_template=args.chat_template,
         )
         tokenizer = load_tokenizer(args.model, args.chat_template)
-        tokens, summary = tokenize_rows(
-            [row for spec in config.data for row in read_rows(spec)], tokenizer, config
-        )
+        rows = [row for spec in config.data for row in read_rows(spec)]
+        tokens, summary = tokenize_rows(rows, tokenizer, config)
     except (ValueError, OSError) as e:
         parser.exit(2, f"error: {e}\n")
+    # Pairs show as the user wrote them; K scored responses as a list.
+    pairs = all(row["fields"] == ["chosen", "rejected"] for row in rows)
     for row in (tokens[i] for i in range(min(args.show, len(tokens)))):
-        # Scores as read, not float32's digits (0.1, not 0.10000000149011612).
-        responses = [
-            {"score": float(f"{score:.7g}"), "text": tokenizer.decode(ids)}
-            for ids, score in zip(row["responses"], row["scores"])
-        ]
-        print(
-            json.dumps(
-                {"prompt": tokenizer.decode(row["prompt"]), "responses": responses},
-                ensure_ascii=False,
-            )
-        )
+        shown = {"prompt": tokenizer.decode(row["prompt"])}
+        if pairs:
+            shown["chosen"], shown["rejected"] = map(tokenizer.decode, row["responses"])
+        else:
+            # Scores as read, not float32's digits (0.1, not 0.10000000149011612).
+            shown["responses"] = [
+                {"score": float(f"{score:.7g}"), "text": tokenizer.decode(ids)}
+                for ids, score in zip(row["responses"], row["scores"])
+            ]
+        print(json.dumps(shown, ensure_ascii=False))
     print(json.dumps(summary))
 
 

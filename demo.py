@@ -9,7 +9,8 @@ Copyable on its own: imports only the standard library.
     files = demo_files("runs/cache", write_jsonl)
     # the config naming those files, and True
     dataset, demo = demo_config(data.DataConfig(), write_jsonl)
-    # the default run's SFT stage (its flags; None once cached) and the flags DPO from it adds
+    # the default run's SFT stage (its folder, its flags: None once cached) and the flags DPO from
+    # it adds
     stages = warm_start(True, "tiny", ("demo",), True, "runs/cache")
 
 Chosen answers praise the product and end "5/5"; rejected answers pan it and end "1/5". The held-out
@@ -123,20 +124,32 @@ def demo_files(folder: str, write_jsonl) -> dict[str, str]:
 
 def warm_start(enabled: bool, model: str, data: tuple, pairwise: bool, cache_dir: str) -> dict:
     """The built-in default's two stages, when `enabled`: {"model": the SFT stage's export in
-    `cache_dir`, "sft": its train_dpo.py flags (None once it is there), "then": the flags that
-    preference training from it adds}; {} for any other run (a --model, a --data, an SFT run). A
-    model trained from random bytes by DPO alone writes gibberish; the SFT stage (SFT on "sft", the
-    coin-flip split) writes both styles of review, as a base model would, and DPO from it visibly
-    moves its samples toward the chosen style."""
+    `cache_dir`, "sft": its train_dpo.py flags (None once the export is there; they resume the
+    stage's own checkpoint where a stopped stage saved one), "resume_hint": what a stopped stage
+    says, "then": the flags that preference training from it adds, "line": the run's first line};
+    {} for any other run (a --model, a --data, an SFT run). A model trained from random bytes by
+    DPO alone writes gibberish; the SFT stage (SFT on "sft", the coin-flip split) writes both styles
+    of review, as a base model would, and DPO from it visibly moves its samples toward the chosen
+    style."""
     if not enabled or model != "tiny" or data not in ((), ("demo",)) or not pairwise:
         return {}
     folder = os.path.join(cache_dir, "demo-sft")
-    stages = {"model": os.path.join(folder, "final"), "sft": None}
+    stages = {
+        "model": os.path.join(folder, "final"),
+        "sft": None,
+        "resume_hint": "run the same command again: the demo's SFT stage goes on from there",
+        "line": f"demo: DPO from its SFT stage's model, {folder}/final (trained once)",
+    }
     if not os.path.isdir(stages["model"]):
         stages["sft"] = [
             *("--loss", "sft", "--data", "demo:sft", "--epochs", "6", "--out-dir", folder),
             *("--cache-dir", cache_dir, "--num-samples", "0", "--no-eval-before"),
         ]
+        stages["line"] = f"demo: training its SFT stage first (once, cached in {folder}), then DPO"
+    # A stage stopped by a signal saved a checkpoint: the next run goes on from it.
+    if stages["sft"] and os.path.exists(os.path.join(folder, "checkpoints", "latest")):
+        stages["sft"] += ["--resume", "latest"]
+        stages["line"] = f"demo: its SFT stage goes on from its checkpoint in {folder}, then DPO"
     stages["then"] = [
         *("--model", stages["model"], "--lr", "3e-5", "--beta", "0.5", "--eval-every", "16"),
         *("--num-samples", "32", "--sample-temperature", "1"),

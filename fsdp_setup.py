@@ -19,6 +19,7 @@ Copyable on its own: imports only the standard library and torch.
 
 import contextlib
 import functools
+import importlib
 import itertools
 import json
 import math
@@ -90,15 +91,21 @@ class FSDPConfig:
 
 
 def init_distributed(
-    device: str = "auto", replicas: int = 1, timeout_s: int = 1800, deterministic: bool = False
+    device: str = "auto",
+    replicas: int = 1,
+    timeout_s: int = 1800,
+    deterministic: bool = False,
+    fake_world: int = 0,
 ) -> tuple[int, int, torch.device]:
     """Start the process group on `device` (auto, cuda or cpu); returns (rank, world_size, device).
     Without torchrun (no RANK) this process is a world of one, so FSDP2 and every collective run
     through the same code. On CUDA: nccl for CUDA tensors, gloo for CPU ones (object collectives,
-    barriers, DCP). replicas: checked to divide the world. deterministic: see FSDPConfig."""
+    barriers, DCP). replicas: checked to divide the world. deterministic: see FSDPConfig.
+    fake_world: instead, this process alone as rank 0 of that many, whose collectives move nothing
+    (to shard models as on that many GPUs for a memory plan, on fake tensors)."""
     if device not in ("auto", "cuda", "cpu"):
         raise ValueError(f"--device {device!r} is not one of auto, cuda, cpu")
-    world = int(os.environ.get("WORLD_SIZE", 1))
+    world = fake_world or int(os.environ.get("WORLD_SIZE", 1))
     if world % replicas:
         raise ValueError(f"--replicas {replicas} does not divide the {world} ranks")
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
@@ -119,6 +126,11 @@ def init_distributed(
         # Read by cuBLAS when CUDA starts: a fixed workspace makes its reductions repeatable.
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     torch.use_deterministic_algorithms(deterministic)
+    if fake_world:
+        # Registers torch's own "fake" backend, kept with its tests.
+        importlib.import_module("torch.testing._internal.distributed.fake_pg")
+        dist.init_process_group("fake", rank=0, world_size=fake_world, store=dist.HashStore())
+        return 0, fake_world, device
     # Under torchrun: keys of its own in the store, not an earlier group's in this process (main()
     # may run again). Alone: a HashStore needs no free port, so two single-process runs on one
     # machine never collide.
@@ -216,14 +228,15 @@ def apply_ac(model: nn.Module) -> None:
 
 def build_sharded(
     make_model,
-    weights: dict[str, torch.Tensor],
+    weights: dict[str, torch.Tensor] | None,
     mp_policy: MixedPrecisionPolicy,
     device: torch.device,
     config: FSDPConfig,
     frozen: bool = False,
 ) -> nn.Module:
     """make_model() (parameters on the meta device), checkpointed (unless frozen: a reference) and
-    compiled as `config` asks, sharded (apply_fsdp), each rank's shards read from `weights`.
+    compiled as `config` asks, sharded (apply_fsdp), each rank's shards read from `weights` (None:
+    left on the meta device).
     Never-changing weights (frozen, LoRA's base) get no float32 master."""
     if config.unsharded_grad_accumulation and mp_policy.reduce_dtype == torch.bfloat16:
         raise ValueError(
@@ -255,7 +268,9 @@ def build_sharded(
         replicas=config.replicas,
         offload=config.cpu_offload and not frozen,
     )
-    load_sharded(model, weights, device, config.cpu_offload and not frozen)
+    # No weights: a memory plan's model, left on the meta device for fake tensors to fill.
+    if weights is not None:
+        load_sharded(model, weights, device, config.cpu_offload and not frozen)
     return model
 
 

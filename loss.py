@@ -465,6 +465,19 @@ class ScoredHead(nn.Linear):
         return request.logps
 
 
+@contextlib.contextmanager
+def fused_head():
+    """Inside, the output layer is fused into the loss on a CPU too, as on a GPU: for a memory plan
+    of a GPU's step traced on the CPU."""
+    global FUSED_HEAD_ON_CPU
+    before = FUSED_HEAD_ON_CPU
+    FUSED_HEAD_ON_CPU = True
+    try:
+        yield
+    finally:
+        FUSED_HEAD_ON_CPU = before
+
+
 def add_scored_head(model: nn.Module) -> nn.Module:
     """Replace a Hugging Face causal LM's linear output layer by a ScoredHead in place, before
     sharding or adapters."""

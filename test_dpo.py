@@ -50,6 +50,7 @@ import loss
 import metrics
 import models
 import precision
+import schedule
 from batches import (
     BatchConfig,
     build_batches,
@@ -545,14 +546,16 @@ def test_preference_loss_matches_hand_computed_values(loss_type):
         discopop_tau=tau,
     )
     assert losses.dtype == torch.float32 and losses.shape == (n,)
-    assert losses.tolist() == pytest.approx(expected, rel=1e-6, abs=1e-7)
+    # float32 against float64 by hand: a few roundings of order-1 terms (F32_REL), also where a loss
+    # nears 0 (hinge, sft).
+    assert losses.tolist() == pytest.approx(expected, rel=F32_REL, abs=F32_REL)
     if loss_type != "sft":  # its loss is all in chosen_nll: nothing to differentiate here
         losses.sum().backward()
         assert all(torch.isfinite(x.grad).all() for x in inputs)
     assert LossConfig(loss=loss_type if loss_type != "cdpo" else "dpo").reference_free == free
     base_c, base_r = ([0.0] * n, [0.0] * n) if free else (rc, rr)
-    assert cr.tolist() == pytest.approx([beta * (a - c) for a, c in zip(pc, base_c)], rel=1e-6)
-    assert rj.tolist() == pytest.approx([beta * (b - d) for b, d in zip(pr, base_r)], rel=1e-6)
+    assert cr.tolist() == pytest.approx([beta * (a - c) for a, c in zip(pc, base_c)], rel=F32_REL)
+    assert rj.tolist() == pytest.approx([beta * (b - d) for b, d in zip(pr, base_r)], rel=F32_REL)
 
 
 def test_chosen_nll_is_the_token_mean_however_the_batch_is_split():
@@ -564,7 +567,7 @@ def test_chosen_nll_is_the_token_mean_however_the_batch_is_split():
     halves = torch.cat(
         [chosen_nll(logps[:2], per_pair), chosen_nll(logps[2:], per_pair)]
     )  # two micro-batches
-    assert halves.mean().item() == pytest.approx(token_mean.item(), rel=1e-6)
+    assert halves.mean().item() == pytest.approx(token_mean.item(), rel=F32_REL)
 
 
 def test_sigmoid_is_dpo_by_its_canonical_name():
@@ -628,11 +631,16 @@ def test_sequence_logps_values_and_gradients_match_naive_float32(dtype, average,
     )  # the naive one on CPU
     ours, naive = sequence_logps(a, labels.to(device), average), _naive_logps(b, labels, average)
     assert ours.dtype == torch.float32 and ours.device.type == device and ours[2].item() == 0.0
-    torch.testing.assert_close(ours.cpu(), naive, rtol=1e-6, atol=1e-6 if device == "cpu" else 1e-5)
+    # Sums of up to 6 log-probs over 11 logits: F32_REL. On a GPU, whose exp and log round to a few
+    # ulps and which sums in another order, LOGP_REL.
+    tol = F32_REL if device == "cpu" else LOGP_REL
+    torch.testing.assert_close(ours.cpu(), naive, rtol=tol, atol=tol)
     weights = torch.tensor([1.0, -2.0, 3.0])
     (ours * weights.to(device)).sum().backward()
     (naive * weights).sum().backward()
-    torch.testing.assert_close(a.grad.float().cpu(), b.grad.float(), rtol=1e-5, atol=1e-6)
+    # Elements weight x (probability - one-hot), under 3: a few roundings of order-1 terms. In bf16
+    # both are the same float32 gradient rounded to bf16 alike.
+    torch.testing.assert_close(a.grad.float().cpu(), b.grad.float(), rtol=LOGP_REL, atol=F32_REL)
     with pytest.raises(ValueError, match="must agree on"):  # inputs on two devices: one clear error
         sequence_logps(a.detach(), labels.to("meta"))
 
@@ -666,10 +674,10 @@ def test_sequence_logps_matches_hugging_face_loss():
         ours = sequence_logps(logits, labels, average=True)
         for i in range(3):  # HF's loss is the token mean of the shifted cross-entropy
             hf = model(input_ids=ids[i : i + 1], labels=labels[i : i + 1]).loss
-            assert ours[i].item() == pytest.approx(-hf.item(), rel=1e-5)
+            assert ours[i].item() == pytest.approx(-hf.item(), rel=LOGP_REL)
         total = sequence_logps(logits, labels).sum() / (labels[:, 1:] != -100).sum()
         assert total.item() == pytest.approx(
-            -model(input_ids=ids, labels=labels).loss.item(), rel=1e-5
+            -model(input_ids=ids, labels=labels).loss.item(), rel=LOGP_REL
         )
 
 
@@ -841,15 +849,14 @@ def test_padded_batch_log_probs_equal_unpadded_rows_and_the_head_sees_only_respo
                 policy(input_ids=ids).logits, labels, average=True
             )  # no padding at all
             torch.testing.assert_close(
-                out[f"{key}_logps"][i], alone[0].detach(), rtol=1e-5, atol=1e-5
+                out[f"{key}_logps"][i], alone[0].detach(), rtol=LOGP_REL, atol=LOGP_REL
             )
             naive.append(alone[0] * len(p[key]))
     # The gradients of the summed log-probs, for every weight, against the naive float32
     # log_softmax's.
     params = list(policy.parameters())
     ours = torch.autograd.grad(response_logps(policy, batch).sum(), params)
-    for g, n in zip(ours, torch.autograd.grad(sum(naive), params)):
-        torch.testing.assert_close(g, n, rtol=1e-4, atol=1e-5)
+    _assert_close_at_scale(ours, torch.autograd.grad(sum(naive), params), LOGP_REL)
 
 
 def test_chunked_logps_match_naive_across_chunk_boundaries_and_save_no_float_copy(monkeypatch):
@@ -865,7 +872,8 @@ def test_chunked_logps_match_naive_across_chunk_boundaries_and_save_no_float_cop
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         ours = sequence_logps(a, labels)
     naive = _naive_logps(b, labels, average=False)
-    torch.testing.assert_close(ours, naive, rtol=1e-6, atol=1e-6)
+    # Sums of 6 log-probs over 50 logits: F32_REL.
+    torch.testing.assert_close(ours, naive, rtol=F32_REL, atol=F32_REL)
     ours.sum().backward()
     naive.sum().backward()
     torch.testing.assert_close(a.grad.float(), b.grad.float(), rtol=0, atol=0)
@@ -894,15 +902,14 @@ def test_fused_head_log_probs_match_float32_oracle_across_chunks_and_keep_no_log
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         ours = loss._TokenLogps.apply(h, None, targets, w, False)
     oracle = (h32 @ w32.T).log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
-    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 3e-2}
     assert ours.dtype == torch.float32
-    torch.testing.assert_close(ours, oracle, **tol)
+    _assert_close_at_scale([ours], [oracle], _head_rel(dtype))
     grad = torch.randn(10, generator=g)
     ours.backward(grad)
     oracle.backward(grad)
     assert h.grad.dtype == w.grad.dtype == dtype
-    torch.testing.assert_close(h.grad.float(), h32.grad, **tol)
-    torch.testing.assert_close(w.grad.float(), w32.grad, **tol)
+    _assert_close_at_scale([h.grad.float()], [h32.grad], _head_rel(dtype))
+    _assert_close_at_scale([w.grad.float()], [w32.grad], _head_rel(dtype))
     # Forward keeps its inputs and the (N,) log-sum-exp: no (N, V) logits.
     assert (
         sum(t.numel() for t in saved if t.data_ptr() not in (h.data_ptr(), w.data_ptr())) == 2 * 10
@@ -961,6 +968,13 @@ def test_logged_flops_match_pytorch_flop_counter(loss, online, lora_rank):
 HEAD_V = 2000
 HEAD_H = 128
 HEAD_N = 40
+
+
+def _head_rel(dtype):
+    """The fused head's log-probs and gradients against float32 on the same values, at the
+    tensor's scale: in float32, a log-softmax over V and sums over N and H (LOGP_REL); in bf16, the
+    gradients and the probabilities they sum round to bf16, each by up to half of BF16_EPS."""
+    return LOGP_REL if dtype == torch.float32 else 2 * BF16_EPS
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -1037,11 +1051,10 @@ def test_fused_head_backward_makes_no_vocab_sized_tensor_but_the_weight_gradient
     live = _LiveBytes()
     with live:
         logps.backward(grad)
-    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 3e-2}
     h32_grad, w32_grad = _float32_grads(hidden, weight, targets, grad)
     assert h.grad.dtype == w.grad.dtype == dtype
-    torch.testing.assert_close(h.grad.float(), h32_grad, **tol)
-    torch.testing.assert_close(w.grad.float(), w32_grad, **tol)
+    _assert_close_at_scale([h.grad.float()], [h32_grad], _head_rel(dtype))
+    _assert_close_at_scale([w.grad.float()], [w32_grad], _head_rel(dtype))
     # At the peak, of all that holds as much as a bf16 (V, H): the weight's gradient alone.
     assert [(n, d) for n, d in live.at_peak if n >= HEAD_V * HEAD_H * 2] == [
         (HEAD_V * HEAD_H * w.itemsize, dtype)
@@ -1513,17 +1526,34 @@ def test_inspector_prints_the_trained_tokens_decoded_and_a_summary(tmp_path, cap
     )
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(lines) == 3
+    # A pair file's rows as the user wrote them: chosen, then rejected.
     assert lines[0] == {
         "prompt": "<|user|>\nq1\n<|assistant|>\n",
-        "responses": [{"score": 1.0, "text": "yes</s>"}, {"score": 0.0, "text": "no</s>"}],
+        "chosen": "yes</s>",
+        "rejected": "no</s>",
     }
-    assert lines[1]["responses"][0]["text"] == "yesyes</s>"
+    assert lines[1]["chosen"] == "yesyes</s>"
     summary = lines[2]
     # Prompts are 26 bytes. Pairs 3 and 4 exceed 34: the prompt keeps its last 24 bytes, then "yes"
     # x 3 + EOS fits in the 10 left; "yes" x 4 + EOS (13) does not, and is cut.
     assert summary["pairs"] == 4 and summary["dropped"] == 0 and summary["truncated"] == 2
     assert summary["truncated_prompts"] == 2 and summary["truncated_responses"] == 1
     assert summary["tokens_before_truncation"]["response"]["p100"] == 13
+    # K scored responses: each with its score as read; the repeated response kept once.
+    scored = _write_jsonl(
+        tmp_path / "scored.jsonl",
+        [{"prompt": "q", "responses": ["a", "b", "c", "b"], "scores": [0.1, 2, -1, 2]}],
+    )
+    data.inspect([scored, "--model", "tiny", "--show", "1"])
+    shown, _ = capsys.readouterr().out.splitlines()
+    assert json.loads(shown) == {
+        "prompt": "q",
+        "responses": [
+            {"score": 0.1, "text": "a</s>"},
+            {"score": 2.0, "text": "b</s>"},
+            {"score": -1.0, "text": "c</s>"},
+        ],
+    }
     with pytest.raises(SystemExit) as exit_info:  # a bad file
         data.inspect([str(tmp_path / "nope.jsonl"), "--model", "tiny"])
     assert (
@@ -1827,10 +1857,8 @@ def test_inspector_takes_a_chat_template(tmp_path, capsys):
     shown, _ = capsys.readouterr().out.splitlines()
     assert json.loads(shown) == {
         "prompt": _CHATML_PROMPT,
-        "responses": [
-            {"score": 1.0, "text": "Great. 5/5<|im_end|>\n</s>"},
-            {"score": 0.0, "text": "Bad. 1/5<|im_end|>\n</s>"},
-        ],
+        "chosen": "Great. 5/5<|im_end|>\n</s>",
+        "rejected": "Bad. 1/5<|im_end|>\n</s>",
     }
     with pytest.raises(SystemExit) as exit_info:
         data.inspect([path, "--model", "tiny", "--chat-template", "nope"])
@@ -2379,7 +2407,7 @@ def test_converted_checkpoints_train_from_ln2_and_export_loadably(kind, converte
     held-out set as the run's last evaluation did. (Two ranks as one: in two_ranks's tests.)"""
     one = converted_runs[kind]
     folder = converted_model("gpt_neox" if kind == "lora" else kind)
-    assert read_metrics(one)[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert read_metrics(one)[0]["loss"] == pytest.approx(math.log(2), abs=F32_REL)
     final = os.path.join(one, "final")
     assert _file_tensors(final).keys() == _file_tensors(folder).keys()
     model = add_scored_head(transformers.AutoModelForCausalLM.from_pretrained(final))
@@ -2391,7 +2419,10 @@ def test_converted_checkpoints_train_from_ln2_and_export_loadably(kind, converte
             model.eval(), reference.eval(), collate_pairs(pairs, tok.pad_token_id), LossConfig()
         )
     last = read_metrics(one, "eval")[-1]
-    assert out["losses"].mean().item() == pytest.approx(last["loss"], rel=1e-4)
+    # The export scored outside the trainer: another summation order of the same log-probs.
+    assert out["losses"].mean().item() == pytest.approx(
+        last["loss"], **_rounding_bound("loss", last, beta=0.1)
+    )
     assert last["loss"] < math.log(2) - 1e-3
 
 
@@ -2463,8 +2494,9 @@ def test_activation_checkpointing_and_resharding_change_memory_not_math():
     assert results[1][2]["saved"] < results[0][2]["saved"] / 4
     for logps, grads, _ in results[1:]:
         torch.testing.assert_close(logps, results[0][0], rtol=0, atol=0)
-        for n, g in grads.items():
-            torch.testing.assert_close(g, results[0][1][n], rtol=1e-6, atol=1e-7)
+        # The same kernels on the same shapes: at most a few float32 roundings (F32_REL) in the
+        # order backward adds the recomputed blocks' gradients up.
+        _assert_close_at_scale(list(grads.values()), [results[0][1][n] for n in grads], F32_REL)
 
 
 def test_a_frozen_reference_reshards_even_with_no_reshard_after_forward():
@@ -2556,10 +2588,10 @@ def test_tiny_run_learns_the_preference_and_exports_a_loadable_model(tmp_path):
         for r in train
     )
     assert train[0]["loss"] == pytest.approx(
-        math.log(2), abs=1e-6
+        math.log(2), abs=F32_REL
     )  # policy == reference at the first step
     assert [r["step"] for r in evals] == [0, 6, 12] and evals[0]["loss"] == pytest.approx(
-        math.log(2), abs=1e-6
+        math.log(2), abs=F32_REL
     )
     assert (
         math.log(2) > evals[1]["loss"] > evals[2]["loss"] and evals[2]["rewards/accuracies"] >= 0.9
@@ -2584,7 +2616,9 @@ def test_tiny_run_learns_the_preference_and_exports_a_loadable_model(tmp_path):
             collate_pairs(pairs, tok.pad_token_id),
             LossConfig(),
         )
-    assert out_pairs["losses"].mean().item() == pytest.approx(evals[-1]["loss"], rel=1e-4)
+    assert out_pairs["losses"].mean().item() == pytest.approx(
+        evals[-1]["loss"], **_rounding_bound("loss", evals[-1], beta=0.1)
+    )
     accuracy = (out_pairs["chosen_rewards"] > out_pairs["rejected_rewards"]).float().mean().item()
     assert accuracy == pytest.approx(evals[-1]["rewards/accuracies"])
 
@@ -2615,11 +2649,34 @@ RUN_REL = 1e-4
 # change to the math moves it by (percents).
 GRAD_NORM_REL = 1e-3
 
+# Float32 math against a reference of the same formula on the same inputs (float64, or float32 in
+# another order): each float32 operation rounds its result by up to half of F32_EPS, and a loss of a
+# few log-probs, or a log-softmax over a small vocabulary summed over a few tokens, takes at most
+# ~20 such roundings: F32_REL of its scale (of itself, or of its order-1 terms where it nears 0). A
+# log-prob summed over up to ~100 tokens, or from a model's forward, takes LOGP_REL instead, of
+# itself and (a logit minus a log-sum-exp, of order 1 to 10) as an absolute bound near 0.
+F32_EPS = torch.finfo(torch.float32).eps
+F32_REL = 10 * F32_EPS
+# bf16 keeps 8 significant bits: each bf16 operation rounds by up to half of BF16_EPS (2^-7).
+BF16_EPS = torch.finfo(torch.bfloat16).eps
+
+
+def _assert_close_at_scale(actual, expected, rel):
+    """Tensors (gradients, matched in order; skipped where `expected` has None) elementwise within
+    `rel` of each expected tensor's largest magnitude: an element adds up terms from many tokens
+    that cancel, so its rounding is a share of the terms' size, not of its own. Plus F32_REL of
+    the largest of all: a bias that a softmax ignores gets terms of the model's size that cancel to
+    0."""
+    pairs = [(a, e) for a, e in zip(actual, expected, strict=True) if e is not None]
+    floor = F32_REL * max(e.abs().max().item() for _, e in pairs)
+    for a, e in pairs:
+        torch.testing.assert_close(a, e, rtol=0, atol=rel * e.abs().max().item() + floor)
+
 
 def test_learning_rate_schedules_and_warmup_ratio_by_hand():
     def lrs(total=10, **config):
-        cfg = train_dpo.Config(lr=1.0, warmup_steps=2, **config)
-        return [train_dpo.get_lr(step, cfg, total) for step in range(total)]
+        config = schedule.ScheduleConfig(warmup_steps=2, **config)
+        return [schedule.learning_rate(step, 1.0, config, total) for step in range(total)]
 
     # Warmup (step + 1) / (warmup + 1), then from 1 down to a tenth at the last step.
     cosine = lrs()
@@ -2632,15 +2689,13 @@ def test_learning_rate_schedules_and_warmup_ratio_by_hand():
     ratio = lrs(total=20, warmup_ratio=0.25)
     assert ratio[:6] == pytest.approx([1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6, 1.0])
     with pytest.raises(ValueError, match="--warmup-ratio in"):
-        train_dpo.Config(warmup_ratio=1.0)
+        schedule.ScheduleConfig(warmup_ratio=1.0)
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     a = run(tmp_path, "a", "--max-steps", "3")
     b = run(tmp_path, "b", "--max-steps", "3", "--micro-batch-size", "4")
-    for x, y in zip(read_metrics(a), read_metrics(b)):
-        for key in ("loss", "grad_norm", "lr"):
-            assert x[key] == pytest.approx(y[key], rel=1e-5), key
+    _assert_same_rows(read_metrics(a), read_metrics(b), ("loss", "grad_norm", "lr"))
     wa, wb = load_safetensors(os.path.join(a, "final")), load_safetensors(os.path.join(b, "final"))
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=ADAM_ATOL)
@@ -2751,7 +2806,7 @@ def test_train_step_matches_a_plain_dpo_loop(plain_dpo, tmp_path):
     assert [s.grad_norm for s in stats] == pytest.approx(expected["grad_norm"], rel=GRAD_NORM_REL)
     assert expected["grad_norm"][0] > 4 * ORACLE["max_grad_norm"]
     assert not any(s.skipped or s.stop_requested for s in stats)
-    _assert_update_close(weights, after, before, rel=1e-4)
+    _assert_update_close(weights, after, before, rel=RUN_REL)
 
 
 # -------------------------------------------------------------------------------- shared prompts
@@ -2897,7 +2952,7 @@ SHARED_KINDS = (
 @pytest.mark.parametrize("kind", SHARED_KINDS)
 def test_shared_rows_score_every_listed_model_as_separate_rows(kind):
     """Each model of SHARED_KINDS, float32 (its probe lets it share): log-probs (LD-DPO's), WPO's
-    weights, losses and gradients in shared rows equal separate rows' within 1e-5, under its own
+    weights, losses and gradients in shared rows equal separate rows' within LOGP_REL, under its own
     attention (eager for Gemma 2, whose soft-capping needs it; SDPA otherwise)."""
     torch.manual_seed(0)
     model = add_scored_head(transformers.AutoModelForCausalLM.from_config(_shared_config(kind)))
@@ -2907,13 +2962,12 @@ def test_shared_rows_score_every_listed_model_as_separate_rows(kind):
     (logps, weights, losses), (logps2, weights2, losses2) = _shared_and_separate(
         model.eval(), _random_pairs(SHARED_LENGTHS), objective, reference=model
     )
-    torch.testing.assert_close(logps, logps2, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(weights, weights2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logps, logps2, rtol=LOGP_REL, atol=LOGP_REL)
+    # WPO's log-weights: token means of log-probs minus log-sum-exps of order 5, near 0.
+    torch.testing.assert_close(weights, weights2, rtol=LOGP_REL, atol=LOGP_REL)
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [torch.autograd.grad(x.sum(), params, allow_unused=True) for x in (losses, losses2)]
-    for shared, separate in zip(*grads):
-        if separate is not None:
-            torch.testing.assert_close(shared, separate, rtol=1e-5, atol=1e-6)
+    _assert_close_at_scale(*grads, LOGP_REL)
 
 
 def test_gemma2s_sliding_window_and_the_response_mask_both_matter_in_that_check():
@@ -2924,12 +2978,15 @@ def test_gemma2s_sliding_window_and_the_response_mask_both_matter_in_that_check(
     pairs = _random_pairs(SHARED_LENGTHS)
     separate = loss.response_logps(model, collate_pairs(pairs, pad_id=0))
     shared = collate_pairs(pairs, pad_id=0, share_prompt=True)
+    # Each change moves the log-probs by far more than rounding: 100 times the check's bound.
     model.config.sliding_window = 10_000
-    assert not torch.allclose(loss.response_logps(model, shared), separate, atol=1e-3)
+    assert not torch.allclose(loss.response_logps(model, shared), separate, atol=100 * LOGP_REL)
     model.config.sliding_window = 8
-    torch.testing.assert_close(loss.response_logps(model, shared), separate, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        loss.response_logps(model, shared), separate, rtol=LOGP_REL, atol=LOGP_REL
+    )
     shared.segment_ids[shared.segment_ids == 2] = 1
-    assert not torch.allclose(loss.response_logps(model, shared), separate, atol=1e-3)
+    assert not torch.allclose(loss.response_logps(model, shared), separate, atol=100 * LOGP_REL)
 
 
 def test_attention_that_takes_no_dense_mask_scores_separate_rows():
@@ -2943,7 +3000,7 @@ def test_attention_that_takes_no_dense_mask_scores_separate_rows():
 def test_three_steps_train_alike_shared_or_separate_on_five_architectures():
     """Llama, Qwen3, Gemma 2 (window 8, rows up to 33 tokens), GPT-2 and GPT-NeoX, float32: 3 AdamW
     steps of DPO against a frozen reference give the same per-step losses and gradient norms in
-    shared and in separate rows, within 1e-5 relative; step 1's loss is ln 2."""
+    shared and in separate rows, up to rounding (RUN_REL, GRAD_NORM_REL); step 1's loss is ln 2."""
     objective = LossConfig(loss=("dpo",), ref="online")
     for kind in ("llama", "qwen3", "gemma2", "gpt2", "gpt_neox"):
         runs = []
@@ -2965,23 +3022,22 @@ def test_three_steps_train_alike_shared_or_separate_on_five_architectures():
                 optimizer.zero_grad()
                 history += [out["losses"].mean().item(), norm.item()]
             runs.append(history)
-        assert runs[0][0] == pytest.approx(math.log(2), abs=1e-6), kind
-        assert runs[0] == pytest.approx(runs[1], rel=1e-5), kind
+        assert runs[0][0] == pytest.approx(math.log(2), abs=F32_REL), kind
+        # [loss, gradient norm] per step.
+        assert runs[0][::2] == pytest.approx(runs[1][::2], rel=RUN_REL), kind
+        assert runs[0][1::2] == pytest.approx(runs[1][1::2], rel=GRAD_NORM_REL), kind
 
 
 def _refused(config):
     return "a test's refusal"
 
 
-def _steps(out):
-    return [x for r in read_metrics(out) for x in (r["loss"], r["grad_norm"])]
-
-
 def test_the_trainer_trains_alike_in_shared_and_separate_rows(tmp_path, monkeypatch, capsys):
     """3 float32 steps of the trainer with --ref precompute, --lora-rank, --ld-alpha and
     --use-weighting: per-step losses and gradient norms shared (the default) against separate rows
-    within 1e-5 relative, from the same batches; fewer FLOPs shared. The separate run is a model not
-    listed as taking the mask, which falls back with a notice: the path --no-share-prompt takes."""
+    up to rounding (_rounding_bound), from the same batches; fewer FLOPs shared. The separate run is
+    a model not listed as taking the mask, which falls back with a notice: the path
+    --no-share-prompt takes."""
     assert not tyro.cli(train_dpo.Config, args=["--no-share-prompt"]).batching.share_prompt
     # 48 pairs: 3 steps of 16 and a short --ref precompute pass.
     data = write_jsonl(str(tmp_path / "train-48.jsonl"), demo_pairs("train")[:48])
@@ -2997,7 +3053,7 @@ def test_the_trainer_trains_alike_in_shared_and_separate_rows(tmp_path, monkeypa
         "note: llama with sdpa attention does not score a shared prompt exactly (a test's "
         "refusal): separate rows (--no-share-prompt)" in capsys.readouterr().err
     )
-    assert _steps(shared) == pytest.approx(_steps(separate), rel=1e-5)
+    _assert_same_rows(read_metrics(shared), read_metrics(separate), ("loss", "grad_norm"))
     flops = [read_metrics(out)[0]["flops"] for out in (shared, separate)]
     assert flops[0] < flops[1]
 
@@ -3025,11 +3081,13 @@ def test_shared_rows_on_cuda_score_as_separate_rows_in_bf16_in_sdpa_and_flex_att
     blocks = math.ceil(400 / mask.BLOCK_SIZE[0])
     computed = mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()
     assert isinstance(mask, BlockMask) and computed < 2 * blocks * blocks
+    # Sums of 40 to 80 log-probs of about -6, each from activations rounded to bf16 in each
+    # attention's own order: a few BF16_EPS of the sum.
     with torch.no_grad():
         expected = loss.response_logps(built["sdpa"], collate_pairs(pairs, pad_id=0).to("cuda"))
         for model in built.values():
             torch.testing.assert_close(
-                loss.response_logps(model, shared), expected, rtol=2e-2, atol=0.5
+                loss.response_logps(model, shared), expected, rtol=3 * BF16_EPS, atol=0
             )
 
 
@@ -3553,14 +3611,16 @@ def test_converted_checkpoints_train_on_two_ranks_as_on_one_loading_alike(
 
 def test_two_ranks_train_like_the_plain_dpo_loop(plain_dpo, two_ranks):
     """The whole trainer on two ranks of 2 micro-batches each: the logged losses, gradient norms
-    and learning rates (get_lr against the hand-computed ones) and the exported weights."""
+    and learning rates (schedule.learning_rate against the hand-computed ones) and the exported
+    weights."""
     expected, before, after = plain_dpo
     out = str(two_ranks[0]["oracle"])
     rows = read_metrics(out)
     assert [r["loss"] for r in rows] == pytest.approx(expected["loss"], rel=RUN_REL)
     assert [r["grad_norm"] for r in rows] == pytest.approx(expected["grad_norm"], rel=GRAD_NORM_REL)
+    # float64 on both sides, through JSON (exact): a few roundings of 2^-53.
     assert [r["lr"] for r in rows] == pytest.approx(ORACLE_LRS, rel=1e-12)
-    _assert_update_close(load_safetensors(os.path.join(out, "final")), after, before, rel=1e-4)
+    _assert_update_close(load_safetensors(os.path.join(out, "final")), after, before, rel=RUN_REL)
 
 
 def test_a_failing_wandb_init_on_rank_0_stops_every_rank_at_once(two_ranks):
@@ -3579,14 +3639,9 @@ def test_ref_precompute_matches_online_reference_and_is_cached_by_its_inputs(
     assert "reference log-probs: computed 160 rows" in capsys.readouterr().err
     # The same training as with a resident reference model, up to float rounding: the reference ran
     # on other, differently padded batches. So not the same reward accuracy at step 1, where every
-    # margin is exactly 0 online and +-1e-7 here, and weights within 1e-4 after 3 Adam steps of lr
-    # 1e-3 (updates of up to 3e-3).
+    # margin is exactly 0 online and +-1e-7 here, and weights within ADAM_ATOL after 3 Adam steps.
     _assert_same_run(
-        online,
-        out,
-        exact=False,
-        keys=[k for k in PAIR_METRICS if k != "rewards/accuracies"],
-        weight_atol=1e-4,
+        online, out, exact=False, keys=[k for k in PAIR_METRICS if k != "rewards/accuracies"]
     )
     (name,) = [f for f in os.listdir(cache) if f.startswith("ref-")]
     table = load_safetensors_file(str(cache / name))
@@ -3600,7 +3655,7 @@ def test_ref_precompute_matches_online_reference_and_is_cached_by_its_inputs(
     # base model with the adapters off, is the same table.
     two = two_ranks[0]["lora"]
     for split, values in load_safetensors_file(str(two.parent / "ref-cache" / name)).items():
-        torch.testing.assert_close(values, table[split], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(values, table[split], rtol=LOGP_REL, atol=LOGP_REL)
     # Reused by another run with the same inputs (LoRA too), and recomputed when an input changes:
     # the length limit.
     one = run(tmp_path, "again", *data, *REF_LORA, "--cache-dir", str(cache))
@@ -3610,7 +3665,7 @@ def test_ref_precompute_matches_online_reference_and_is_cached_by_its_inputs(
     adapters_one, adapters_two = _adapters(one), _adapters(two)
     assert adapters_one.keys() == adapters_two.keys() and len(adapters_one) == 4 * 7 * 2
     for k in adapters_one:
-        torch.testing.assert_close(adapters_two[k], adapters_one[k], rtol=0, atol=1e-5)
+        torch.testing.assert_close(adapters_two[k], adapters_one[k], rtol=0, atol=ADAM_ATOL)
     # A shorter run: other pairs (the length limit), another table.
     short = ("--ref", "precompute", "--cache-dir", str(cache), "--max-steps", "1")
     short += ("--max-length", "40", "--max-prompt-length", "20")
@@ -3622,7 +3677,8 @@ def test_ref_precompute_matches_online_reference_and_is_cached_by_its_inputs(
     ld = run(tmp_path, "ld", *data, *short, "--ld-alpha", "0.3")
     assert "reference log-probs: computed" in capsys.readouterr().err
     assert len([f for f in os.listdir(cache) if f.startswith("ref-")]) == 3
-    assert read_metrics(ld)[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    first = read_metrics(ld)[0]
+    assert first["loss"] == pytest.approx(math.log(2), **_rounding_bound("loss", first, beta=0.1))
 
 
 PREEMPT = """
@@ -3713,7 +3769,7 @@ def test_cpu_offload_trains_resumes_and_exports_as_without_it(six_steps, two_ran
     _assert_same_rows(read_metrics(plain), read_metrics(offload))
     wa, wb = load_safetensors(str(plain / "final")), load_safetensors(str(offload / "final"))
     assert wa.keys() == wb.keys() and all(
-        torch.allclose(wa[k], wb[k], rtol=0, atol=1e-6) for k in wa
+        torch.allclose(wa[k], wb[k], rtol=0, atol=ADAM_ATOL) for k in wa
     )
     # It resumed a checkpoint saved without it; its own, saved on two ranks, resumes without it on
     # one rank, to the 1-rank run's end.
@@ -3972,7 +4028,7 @@ def test_hsdp_two_replicas_of_two_shards_match_one_rank_and_resume_as_fsdp_on_fo
     assert_runs_ended(proc, outs.values(), 4)
     hsdp_err, fsdp_err = proc.stderr.split(f"saved {hsdp / 'final'}")
     assert "4 rank(s) as 2 replicas x 2 shards (HSDP)" in hsdp_err  # the policy's mesh, as built
-    _assert_same_run(six_steps[0], str(hsdp), exact=False, weight_atol=1e-5)  # weights within 1e-5
+    _assert_same_run(six_steps[0], str(hsdp), exact=False)
     assert (
         "4 rank(s) on cpu" in fsdp_err
         and f"resumed from {hsdp / 'checkpoints' / 'step-4'} at step 4" in fsdp_err
@@ -4002,21 +4058,31 @@ def test_bf16_training_matches_the_fp32_cpu_run_within_bf16_tolerance(tmp_path, 
     six = ("--max-steps", "6", "--batch-size", "4")
     oracle = run(tmp_path, "fp32", *six)
     bf16 = run(tmp_path, "bf16", *six, "--precision", "bf16", device=device)
-    # Tolerances are 10x the differences seen on CPU (bf16 rounds to 8 bits of mantissa; FSDP2 keeps
-    # float32 masters, gradients and optimizer state, and loss.py computes in float32).
+    # Bounds from bf16's rounding (FSDP2 keeps float32 masters, gradients and optimizer state, and
+    # loss.py computes in float32). A token's log-prob (about -5.6, the log of the vocabulary) moves
+    # by its logit's and the log-sum-exp's rounding, half of BF16_EPS of logits of order 1: a
+    # quarter of BF16_EPS of itself, and of the sum. A margin is beta times the difference of four
+    # such sums, whose errors (the same tokens, nearly the same weights, the same precision) mostly
+    # cancel: one sum's bound; the loss, of slope under 1 in it, the same. The gradient norm: each
+    # gradient from activations rounded at each of the 4 layers, forward and back, by up to half of
+    # BF16_EPS: 4 BF16_EPS.
+    logp_rel = BF16_EPS / 4
     for split in ("train", "eval"):
         for a, b in zip(read_metrics(oracle, split), read_metrics(bf16, split), strict=True):
-            assert a["step"] == b["step"] and b["loss"] == pytest.approx(a["loss"], abs=1e-2)
-            assert b["rewards/margins"] == pytest.approx(a["rewards/margins"], abs=5e-2)
+            margin = 0.1 * logp_rel * abs(a["logps/chosen"])
+            assert a["step"] == b["step"] and b["loss"] == pytest.approx(a["loss"], abs=margin)
+            assert b["rewards/margins"] == pytest.approx(a["rewards/margins"], abs=margin)
             for key in ("logps/chosen", "logps/rejected"):
-                assert b[key] == pytest.approx(a[key], rel=2e-3)
-            assert split == "eval" or b["grad_norm"] == pytest.approx(a["grad_norm"], rel=3e-2)
+                assert b[key] == pytest.approx(a[key], rel=logp_rel)
+            if split == "train":
+                assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=4 * BF16_EPS)
     wa = load_safetensors(os.path.join(oracle, "final"))
     wb = load_safetensors(os.path.join(bf16, "final"))
     # The float32 masters are exported.
     assert wa.keys() == wb.keys() and all(wb[k].dtype == torch.float32 for k in wb)
     # Against the size of the update (6 Adam steps move every weight by about lr each), not of the
-    # weights: a tenth of the update, three times the difference seen on CPU.
+    # weights: a tenth of it, as ADAM_ATOL is of one step's lr (where a gradient is near 0, Adam
+    # moves the weight by a share of lr that the rounding decides).
     before = tiny_model(tiny_config()[0], seed=0).state_dict()
     difference = sum((wa[k] - wb[k]).double().square().sum() for k in wa) ** 0.5
     update = sum((wa[k] - before[k]).double().square().sum() for k in wa) ** 0.5
@@ -4184,7 +4250,7 @@ def test_sft_stage_logs_hf_token_mean_nll_then_feeds_dpo(tmp_path):
             nll += policy(input_ids=ids, labels=labels).loss.item() * len(p["chosen"])
             count += len(p["chosen"])
     (step1, _) = read_metrics(out)
-    assert step1["loss"] == pytest.approx(nll / count, rel=1e-5)
+    assert step1["loss"] == pytest.approx(nll / count, rel=LOGP_REL)
     assert "logps/chosen" in step1 and not {"rewards/accuracies", "logps/rejected"} & set(
         step1
     )  # not computed
@@ -4203,7 +4269,7 @@ def test_sft_stage_logs_hf_token_mean_nll_then_feeds_dpo(tmp_path):
         "--num-samples",
         "0",
     )
-    assert read_metrics(dpo)[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert read_metrics(dpo)[0]["loss"] == pytest.approx(math.log(2), abs=F32_REL)
     assert not os.path.exists(os.path.join(dpo, "samples.jsonl"))
 
 
@@ -4225,16 +4291,16 @@ def test_ipo_takes_mean_or_summed_log_ratios(ipo_logps):
             mean = -model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels])).loss.item()
             return mean if ipo_logps == "mean" else mean * len(pair[key])
 
-        expected = [
-            (
-                (logp(policy, p, "chosen") - logp(reference, p, "chosen"))
-                - (logp(policy, p, "rejected") - logp(reference, p, "rejected"))
-                - 1 / (2 * 0.5)
-            )
-            ** 2
-            for p in pairs
-        ]
-    assert out["losses"].tolist() == pytest.approx(expected, rel=1e-4)
+        expected, bounds = [], []
+        for p in pairs:
+            logps = [logp(m, p, key) for key in ("chosen", "rejected") for m in (policy, reference)]
+            h = (logps[0] - logps[1]) - (logps[2] - logps[3]) - 1 / (2 * 0.5)
+            expected.append(h**2)
+            # A small difference of four log-probs, each within LOGP_REL of itself; squared, the
+            # loss moves by 2 |h| times that.
+            bounds.append(2 * abs(h) * LOGP_REL * sum(map(abs, logps)))
+    for got, want, bound in zip(out["losses"].tolist(), expected, bounds, strict=True):
+        assert got == pytest.approx(want, abs=bound)
 
 
 @pytest.mark.parametrize("loss_type", ["dpo_norm", "simpo"])
@@ -4255,7 +4321,7 @@ def test_length_normalised_losses_take_each_responses_own_mean(loss_type):
         else:
             margin = (chosen - rc[i] / lengths[i]) - (rejected - rr[i] / lengths[2 + i])
             expected.append(-_logsig(beta * margin))
-    assert out["losses"].tolist() == pytest.approx(expected, rel=1e-6)
+    assert out["losses"].tolist() == pytest.approx(expected, rel=F32_REL)
     # The logged log-probs are the means too.
     assert out["chosen_logps"].tolist() == pytest.approx([-2.0, -2.0])
     assert out["rejected_logps"].tolist() == pytest.approx([-1.0, -2.0])
@@ -4293,7 +4359,7 @@ def test_dropout_is_off_unless_asked_so_the_first_step_has_zero_rewards(tmp_path
     # Policy == reference at step 1: without dropout every log-ratio is exactly 0 and the loss is ln
     # 2.
     assert off["rewards/chosen"] == off["rewards/rejected"] == 0 and off["loss"] == pytest.approx(
-        math.log(2), abs=1e-6
+        math.log(2), abs=F32_REL
     )
     assert (
         on["rewards/chosen"] != 0 and on["rewards/rejected"] != 0
@@ -4320,7 +4386,10 @@ def test_rpo_as_a_loss_mix_adds_the_weighted_chosen_nll():
                 for p in pairs
             ]  # each pair's summed NLL
             expected = [0.5 * x / per_pair for x in hf]
-            assert (rpo["losses"] - plain["losses"]).tolist() == pytest.approx(expected, rel=1e-4)
+            # Each a summed NLL, ours against Hugging Face's: LOGP_REL.
+            assert (rpo["losses"] - plain["losses"]).tolist() == pytest.approx(
+                expected, rel=LOGP_REL
+            )
         # SFT alone: the same NLL with weight 1, and only the 4 chosen rows go through the model
         # (its layout: each row's best response alone).
         best = collate_pairs(pairs, tok.pad_token_id, best_only=True)
@@ -4331,7 +4400,7 @@ def test_rpo_as_a_loss_mix_adds_the_weighted_chosen_nll():
         sft = forward_pairs(policy, None, best, LossConfig(loss="sft"), tokens_per_pair=per_pair)
         hook.remove()
         assert rows == [4] and sft["losses"].tolist() == pytest.approx(
-            [x / per_pair for x in hf], rel=1e-4
+            [x / per_pair for x in hf], rel=LOGP_REL
         )
     with pytest.raises(ValueError, match="--loss-weights: 1 weights for 2 --loss"):
         LossConfig(loss=("dpo", "sft"), loss_weights=(1.0,))
@@ -4388,8 +4457,10 @@ def test_a_loss_mix_under_an_f_divergence_with_wpo_weights_matches_hand_values_a
 
     out["losses"].sum().backward()
     for i in range(3):
-        assert out["losses"][i].item() == pytest.approx(by_hand([pc[i], pr[i]], i), rel=1e-5)
-        h = 1e-4  # central differences in float64 stand in for the hand gradient
+        assert out["losses"][i].item() == pytest.approx(by_hand([pc[i], pr[i]], i), rel=F32_REL)
+        # Central differences in float64 stand in for the hand gradient: off by h^2 f''' / 6, about
+        # 1e-9, far below float32's rounding of the order-1 terms of autograd's (F32_REL).
+        h = 1e-4
         grads = [
             (
                 by_hand([pc[i] + h * (k == 0), pr[i] + h * (k == 1)], i)
@@ -4399,12 +4470,13 @@ def test_a_loss_mix_under_an_f_divergence_with_wpo_weights_matches_hand_values_a
             for k in range(2)
         ]
         assert [logps.grad[i].item(), logps.grad[3 + i].item()] == pytest.approx(
-            grads, rel=1e-3, abs=1e-5
+            grads, rel=F32_REL, abs=F32_REL
         )
         # Rewards: beta f' of the first preference loss's (summed) log-ratios; log-probs as given.
+        # f' of an order-1 ratio may cancel to a small value (a log near 1): F32_REL of beta.
         for key, ratio in (("chosen_rewards", pc[i] - rc[i]), ("rejected_rewards", pr[i] - rr[i])):
             assert out[key][i].item() == pytest.approx(
-                beta * _f_prime_by_hand(ratio, kind, a), rel=1e-5, abs=1e-7
+                beta * _f_prime_by_hand(ratio, kind, a), rel=F32_REL, abs=beta * F32_REL
             )
         assert out["chosen_logps"][i].item() == pc[i] and out["rejected_logps"][i].item() == pr[i]
 
@@ -4437,10 +4509,9 @@ def test_wpo_log_weights_and_ld_dpo_sums_match_a_naive_full_softmax_with_gradien
         naive.append(picked[:shared].sum() + 0.3 * picked[shared:].sum())
         expected_w.append((picked - torch.logsumexp(2 * token[row, cols], -1)).mean().item())
     naive = torch.stack(naive)
-    torch.testing.assert_close(logps, naive.detach(), rtol=1e-5, atol=1e-4)
-    assert log_w.tolist() == pytest.approx(expected_w, rel=1e-5, abs=1e-5)
-    for ours, theirs in zip(grads, torch.autograd.grad(naive.sum(), params)):
-        torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(logps, naive.detach(), rtol=LOGP_REL, atol=LOGP_REL)
+    assert log_w.tolist() == pytest.approx(expected_w, rel=LOGP_REL, abs=LOGP_REL)
+    _assert_close_at_scale(grads, torch.autograd.grad(naive.sum(), params), LOGP_REL)
     # The reference gets LD-DPO's sums too; ld_alpha = 1 is the plain sum, bit for bit.
     reference, _ = tiny(seed=6)
     objective = LossConfig(ld_alpha=0.3)
@@ -4716,11 +4787,9 @@ def test_demo_reports_the_scorer_share_and_plots_the_curves(tmp_path, monkeypatc
     assert not (tmp_path / "none.png").exists()
 
 
-def test_the_default_run_trains_the_demo_sft_stage_once_then_dpo_from_it(tmp_path, capsys):
-    """Both stages cut to 2 steps: the SFT stage's flags and the DPO flags that follow it as
-    demo.warm_start gives them, with the run's own flags last. A second run finds the SFT stage in
-    the cache; --no-warm-start, a --model or a --data have none."""
-    real = train_dpo.demo.warm_start
+def _short_demo(real):
+    """demo.warm_start with both stages cut to 2 steps: the SFT stage's flags and the DPO flags
+    that follow it as `real` gives them, with the run's own flags last."""
 
     def short(*args):
         stages = real(*args)
@@ -4730,20 +4799,64 @@ def test_the_default_run_trains_the_demo_sft_stage_once_then_dpo_from_it(tmp_pat
             stages["then"] += ["--max-steps", "2", "--num-samples", "2", "--sample-max-tokens", "4"]
         return stages
 
+    return short
+
+
+def test_the_default_run_trains_the_demo_sft_stage_once_resuming_it_then_dpo_from_it(
+    tmp_path, capsys
+):
+    """The first run says the SFT stage comes first, and SIGTERM after the stage's first step
+    stops it with a checkpoint and says to run the same command again; the second run goes on
+    from that step, then runs DPO; a third finds the stage in the cache. --no-warm-start, a --model
+    or a --data have no stage."""
+    real = train_dpo.demo.warm_start
+    real_step = train_dpo.train_step
     cache = str(tmp_path / "cache")
-    sft = os.path.join(cache, "demo-sft", "final")
+    folder = os.path.join(cache, "demo-sft")
+    sft = os.path.join(folder, "final")
     flags = ["--cache-dir", cache, "--batch-size", "16", "--eval-data", HELD_OUT, *ON_CPU]
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+
+    def stopped_step(*args):  # SIGTERM as the stage's first step runs
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(*args)
+
     with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setattr(train_dpo.demo, "warm_start", short)
-        for name in ("first", "second"):
+        monkeypatch.setattr(train_dpo.demo, "warm_start", _short_demo(real))
+        monkeypatch.setattr(train_dpo, "train_step", stopped_step)
+        try:
+            with pytest.raises(SystemExit) as exit_info:
+                train_dpo.main(["--out-dir", str(tmp_path / "stopped"), *flags])
+        finally:
+            for s, handler in handlers.items():
+                signal.signal(s, handler)
+        assert exit_info.value.code == 128 + signal.SIGTERM
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[0] == f"demo: training its SFT stage first (once, cached in {folder}), then DPO"
+        assert err[-1] == (
+            f"stopped by a signal after step 1: saved {folder}/checkpoints/step-1; run the same "
+            "command again: the demo's SFT stage goes on from there"
+        )
+        assert not os.path.exists(sft) and not (tmp_path / "stopped").exists()
+        monkeypatch.setattr(train_dpo, "train_step", real_step)
+        for name in ("resumed", "cached"):
             train_dpo.main(["--out-dir", str(tmp_path / name), *flags, "--eval-every", "1"])
             err = capsys.readouterr().err.strip().splitlines()
-            assert (f"saved {sft}" in err) == (name == "first")
-            assert f"demo: DPO from its SFT stage's model, {sft} (trained once)" in err
+            if name == "resumed":
+                assert err[0] == (
+                    f"demo: its SFT stage goes on from its checkpoint in {folder}, then DPO"
+                )
+                assert f"resumed from {folder}/checkpoints/step-1 at step 1" in err
+                assert f"saved {sft}" in err
+                # Step 1 before the stop, step 2 after it.
+                assert [r["step"] for r in read_metrics(folder)] == [1, 2]
+            else:
+                assert err[0] == f"demo: DPO from its SFT stage's model, {sft} (trained once)"
+                assert f"saved {sft}" not in err
             out = str(tmp_path / name)
             assert json.load(open(os.path.join(out, "final", "train_config.json")))["model"] == sft
             # From the SFT model, against itself: ln 2; the demo's last line sums up.
-            assert read_metrics(out)[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+            assert read_metrics(out)[0]["loss"] == pytest.approx(math.log(2), abs=F32_REL)
             evals = read_metrics(out, "eval")
             assert [r["step"] for r in evals] == [0, 1, 2]
             assert err[-1].startswith(
@@ -4754,6 +4867,40 @@ def test_the_default_run_trains_the_demo_sft_stage_once_then_dpo_from_it(tmp_pat
     assert real(True, "gpt2", ("demo",), True, cache) == {}
     assert real(True, "tiny", ("pairs.jsonl",), True, cache) == {}
     assert real(True, "tiny", (), False, cache) == {}
+
+
+# Flags the DPO run refuses, each before the demo's SFT stage would start.
+BAD_DEMO_FLAGS = {
+    "micro-batch": ["--batch-size", "8", "--micro-batch-size", "3"],
+    "resume": ["--resume", "latest"],
+    "checkpoints": [],  # a new run where another run's checkpoints are
+    "file": [],  # --out-dir names a file
+}
+
+
+@pytest.mark.parametrize("name", BAD_DEMO_FLAGS)
+def test_the_demo_checks_the_dpo_runs_flags_before_its_sft_stage(tmp_path, capsys, name):
+    """A bad flag of the DPO run, or an --out-dir it cannot write to, exits with code 2 and the
+    one line the same run without the demo's stage gives (--no-warm-start), once the first line has
+    said a stage comes first, and before any of the stage's steps: no stage folder is made."""
+    cache = str(tmp_path / "cache")
+    out = tmp_path / "out"
+    if name == "checkpoints":
+        (out / "checkpoints").mkdir(parents=True)
+        (out / "checkpoints" / "latest").write_text("step-3")
+    if name == "file":
+        out.write_text("not a folder")
+    flags = ["--out-dir", str(out), "--cache-dir", cache, *ON_CPU, *BAD_DEMO_FLAGS[name]]
+    lines = []
+    for warm_start in ("--warm-start", "--no-warm-start"):
+        with pytest.raises(SystemExit) as exit_info:
+            train_dpo.main([*flags, warm_start])
+        assert exit_info.value.code == 2
+        lines.append(capsys.readouterr().err.strip().splitlines())
+    folder = os.path.join(cache, "demo-sft")
+    assert lines[0][0] == f"demo: training its SFT stage first (once, cached in {folder}), then DPO"
+    assert lines[0][-1] == lines[1][-1] and lines[1][-1].startswith("error: ")
+    assert not os.path.exists(folder)
 
 
 def test_wandb_gets_the_same_rows_and_a_clear_error_when_missing(tmp_path, monkeypatch, capsys):
@@ -4870,7 +5017,7 @@ def test_lora_reference_is_the_base_model_exactly_and_only_the_adapters_train(pr
                 step == 0
             ):  # B starts at 0: the policy is its own reference, every pair's loss is ln 2
                 torch.testing.assert_close(
-                    out["losses"], torch.full((4,), math.log(2)), rtol=0, atol=1e-6
+                    out["losses"], torch.full((4,), math.log(2)), rtol=0, atol=F32_REL
                 )
             out["losses"].mean().backward()
             optimizer.step()
@@ -4906,7 +5053,7 @@ def test_lora_run_starts_at_ln2_checkpoints_only_adapters_and_exports_a_peft_fol
 
     rows = read_metrics(lora_six)
     assert (
-        rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+        rows[0]["loss"] == pytest.approx(math.log(2), abs=F32_REL)
         and rows[-1]["loss"] < rows[0]["loss"] - 0.05
     )
     saved = (
@@ -4961,7 +5108,7 @@ def test_lora_resume_is_bit_exact_and_the_merged_export_is_w_plus_scaled_ba(lora
             adapted + 1,
         )
         torch.testing.assert_close(
-            w, base[name] + (16 / 8) * b @ a, rtol=0, atol=1e-6
+            w, base[name] + (16 / 8) * b @ a, rtol=0, atol=F32_REL
         )  # W + (alpha / r) B A
     assert adapted == 4 * 7
     x = torch.tensor([list(range(3, 40))])
@@ -4972,7 +5119,8 @@ def test_lora_resume_is_bit_exact_and_the_merged_export_is_w_plus_scaled_ba(lora
         as_merged = transformers.AutoModelForCausalLM.from_pretrained(out / "final")(
             input_ids=x
         ).logits
-    torch.testing.assert_close(as_merged, as_adapter, rtol=0, atol=1e-5)
+    # Logits of order 1 from a float32 forward whose linears round W + 2 BA otherwise: LOGP_REL.
+    torch.testing.assert_close(as_merged, as_adapter, rtol=0, atol=LOGP_REL)
 
 
 def _drawn_adapters(seed, targets=()):
@@ -5161,8 +5309,8 @@ def _end_of_line_comments_and_code_lines(source: str) -> tuple[int, int]:
 def test_house_style_that_the_linter_does_not_check():
     """ruff (in .ci/run) checks the layout, line length and lambdas assigned to plain names; this
     checks the rest of the house style. Size counts Python AST statements (a docstring is one;
-    blank lines, comments and the formatter's line breaks are free): train_dpo.py at most 330, all
-    non-test code at most 2,950. At most 5 end-of-line comments per 100 code lines in every file;
+    blank lines, comments and the formatter's line breaks are free): train_dpo.py at most 340, all
+    non-test code at most 3,150. At most 5 end-of-line comments per 100 code lines in every file;
     no lambda assigned to a name or attribute, no nested conditional expression, no issue numbers
     in code."""
     files = [f for f in os.listdir(HERE) if f.endswith(".py")]
@@ -5183,8 +5331,8 @@ def test_house_style_that_the_linter_does_not_check():
             if isinstance(node, (ast.Assign, ast.AnnAssign)):
                 assert not isinstance(node.value, ast.Lambda), f"{name}:{node.lineno}: a lambda"
     del statements["test_dpo.py"]
-    assert statements["train_dpo.py"] <= 330, statements
-    assert sum(statements.values()) <= 2950, statements
+    assert statements["train_dpo.py"] <= 340, statements
+    assert sum(statements.values()) <= 3150, statements
 
 
 # ------------------------------------------------------------------ K scored responses per prompt
@@ -5270,7 +5418,7 @@ def _as_pair_rows(rows, pairs="all"):
 def test_k_rows_score_as_their_pairs_written_out_on_five_architectures(kind):
     """float32, K from 2 to 5 per row: the per-pair losses (LD-DPO's log-probs, WPO's weights) and
     the mean loss's gradients of K rows, shared and separate, equal those of the same pairs as rows
-    of 2 in separate rows (each response scored once per pair) within 1e-5."""
+    of 2 in separate rows (each response scored once per pair), up to the log-probs' LOGP_REL."""
     torch.manual_seed(0)
     model = add_scored_head(transformers.AutoModelForCausalLM.from_config(_shared_config(kind)))
     model.eval()
@@ -5293,12 +5441,14 @@ def test_k_rows_score_as_their_pairs_written_out_on_five_architectures(kind):
         grads = torch.autograd.grad(out["losses"].mean(), params, allow_unused=True)
         results.append((out["losses"].detach(), scored["log_weights"], grads))
     assert len(results[0][0]) == sum(len(row_pairs(r["scores"])) for r in rows)
+    # A loss moves by beta times its margin's error: four log-probs, each within LOGP_REL of itself.
+    # WPO's log-weights, token means of log-probs minus log-sum-exps of order 5, near 0: LOGP_REL.
+    logps = torch.cat([scored["logps"], scored["ref_logps"]]).abs().max().item()
+    loss_atol = 4 * objective.beta * LOGP_REL * logps
     for losses, weights, grads in results[:2]:
-        torch.testing.assert_close(losses, results[2][0], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(weights, results[2][1], rtol=1e-5, atol=1e-6)
-        for ours, theirs in zip(grads, results[2][2]):
-            if theirs is not None:
-                torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(losses, results[2][0], rtol=0, atol=loss_atol)
+        torch.testing.assert_close(weights, results[2][1], rtol=LOGP_REL, atol=LOGP_REL)
+        _assert_close_at_scale(grads, results[2][2], LOGP_REL)
 
 
 def _demo_k_rows(n, seed=0):
@@ -5383,8 +5533,10 @@ def test_one_step_over_k_rows_equals_one_over_the_same_pairs_as_a_pair_file(
         tmp_path, "p", pair_file, len(K_PAIRS), *flags, "--cache-dir", str(tmp_path / "c2")
     )
     (a,), (b,) = read_metrics(k), read_metrics(p)
-    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    # Step 1, from the same weights: only one forward's and backward's rounding in each layout
+    # (LOGP_REL), not that of runs whose weights Adam has already moved apart.
+    assert a["loss"] == pytest.approx(b["loss"], rel=LOGP_REL)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=LOGP_REL)
     # Each response scored once, not once per pair.
     assert a["flops"] < b["flops"]
     # LoRA exports the adapters alone.
@@ -5448,7 +5600,7 @@ def test_listwise_losses_of_k_rows_at_equal_rewards_by_hand(name):
     batch = collate_rows(rows, pad_id=0)
     losses = loss.row_loss(torch.zeros(len(batch.response_rows)), batch, LossConfig(loss=(name,)))
     expected = [_listwise_at_zero(name, r["scores"]) for r in rows]
-    assert losses.tolist() == pytest.approx(expected, rel=1e-6)
+    assert losses.tolist() == pytest.approx(expected, rel=F32_REL)
 
 
 def test_a_listwise_loss_trains_from_its_value_at_equal_rewards(tmp_path, k_files):
@@ -5462,7 +5614,8 @@ def test_a_listwise_loss_trains_from_its_value_at_equal_rewards(tmp_path, k_file
     )
     scores = [[float(s) for s in r["scores"]] for r in K_ROWS]
     expected = sum(_listwise_at_zero("plackett_luce", s) for s in scores) / len(K_ROWS)
-    assert read_metrics(out)[0]["loss"] == pytest.approx(expected, rel=1e-5)
+    # A mean over 24 rows of sums of up to 5 float32 logs: a few dozen roundings, LOGP_REL.
+    assert read_metrics(out)[0]["loss"] == pytest.approx(expected, rel=LOGP_REL)
     assert read_metrics(out, "eval")[-1]["rewards/kendall_tau"] > 0
 
 
@@ -6003,7 +6156,7 @@ def test_losses_match_the_papers_formulas_by_hand(loss_type):
     got = listwise_loss(logratios, scores, valid, loss_type, BETA, ALPHA)
     expected = torch.tensor([_naive(loss_type, *_valid_entries(row)) for row in ROWS])
     assert got.dtype == torch.float32 and got.shape == (len(ROWS),)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, expected, rtol=F32_REL, atol=F32_REL)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -6015,6 +6168,8 @@ def test_gradients_match_finite_differences_of_the_formulas(loss_type):
     (grad,) = torch.autograd.grad(
         listwise_loss(logratios, scores, valid, loss_type, BETA, ALPHA).sum(), logratios
     )
+    # float64 central differences: off by h^2 f''' and 2^-53 f / h, both far below float32's
+    # rounding of autograd's order-1 terms (F32_REL).
     h = 1e-6
     for b, row in enumerate(rows):
         lr, s = _valid_entries(row)
@@ -6023,7 +6178,8 @@ def test_gradients_match_finite_differences_of_the_formulas(loss_type):
             up[i] += h
             down[i] -= h
             numeric = (_naive(loss_type, up, s) - _naive(loss_type, down, s)) / (2 * h)
-            assert grad[b][valid[b]][i].item() == pytest.approx(numeric, rel=1e-4, abs=1e-5), (b, i)
+            got = grad[b][valid[b]][i].item()
+            assert got == pytest.approx(numeric, rel=F32_REL, abs=F32_REL), (b, i)
     assert (grad[~valid] == 0).all()
 
 
@@ -6065,10 +6221,12 @@ def test_at_k2_listwise_losses_are_the_pairwise_ones(loss_type, pair_type, chose
     got = listwise_loss(logratios, scores, valid, loss_type, beta=0.3, alpha=alpha)
     expected, _, _ = preference_loss(*inputs, loss_type=pair_type, beta=0.3)
     torch.testing.assert_close(got, expected)
+    # float32 math on both sides, its gradients handed back in float64: float32's rounding of
+    # order-1 terms (F32_REL), not float64's default bound.
     for a, b in zip(
         torch.autograd.grad(got.sum(), inputs), torch.autograd.grad(expected.sum(), inputs)
     ):
-        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(a, b, rtol=F32_REL, atol=F32_REL)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -6088,7 +6246,7 @@ def test_padding_never_changes_the_result(loss_type, pad):
     for b, row in enumerate(ROWS):
         lr, s = (torch.tensor([x]) for x in _valid_entries(row))
         alone = listwise_loss(lr, s, torch.ones(lr.shape, dtype=torch.bool), loss_type, BETA, ALPHA)
-        torch.testing.assert_close(alone[0], padded[b], rtol=1e-6, atol=0)
+        torch.testing.assert_close(alone[0], padded[b], rtol=F32_REL, atol=0)
 
 
 def _naive_metrics(rewards, scores):
@@ -6207,7 +6365,7 @@ def test_listed_and_new_models_share_and_a_shared_row_matches_separate_rows(kind
     seconds, and once per process."""
     model = _tiny_model(kind)
     shared, separate = _logps_both_layouts(model, _random_pairs(SHARED_LENGTHS))
-    torch.testing.assert_close(shared, separate, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(shared, separate, rtol=LOGP_REL, atol=LOGP_REL)
     config = _real_config(kind)
     # CPU time, which other processes on a shared machine do not stretch as they do wall time.
     start = time.process_time()
@@ -6226,12 +6384,15 @@ def test_the_window_and_the_response_mask_each_matter_in_that_check():
     pairs = _random_pairs(SHARED_LENGTHS)
     separate = loss.response_logps(model, collate_pairs(pairs, pad_id=0))
     shared = collate_pairs(pairs, pad_id=0, share_prompt=True)
+    # Each change moves the log-probs by far more than rounding: 100 times the check's bound.
     model.config.sliding_window = None
-    assert not torch.allclose(loss.response_logps(model, shared), separate, atol=1e-3)
+    assert not torch.allclose(loss.response_logps(model, shared), separate, atol=100 * LOGP_REL)
     model.config.sliding_window = 8
-    torch.testing.assert_close(loss.response_logps(model, shared), separate, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        loss.response_logps(model, shared), separate, rtol=LOGP_REL, atol=LOGP_REL
+    )
     shared.segment_ids[shared.segment_ids == 2] = 1
-    assert not torch.allclose(loss.response_logps(model, shared), separate, atol=1e-3)
+    assert not torch.allclose(loss.response_logps(model, shared), separate, atol=100 * LOGP_REL)
 
 
 def test_bloom_does_not_share_and_the_probe_says_why(fresh_probes):
@@ -6244,6 +6405,94 @@ def test_bloom_does_not_share_and_the_probe_says_why(fresh_probes):
     model = _tiny_model("bloom")
     with pytest.raises(ValueError, match=re.escape(why.split("ValueError: ")[1])):
         _logps_both_layouts(model, _random_pairs(SHARED_LENGTHS))
+
+
+# The probe compares one forward's log-probs. AdamW runs in the two layouts can still part later:
+# Adam's first update lr g / (|g| + eps) turns rounding-size gradient differences at elements with
+# |g| near eps into weights some 1e-2 lr apart, and a ReLU (OPT's) turns that into a jump in the
+# next gradient. Separate rows with the pairs in another order do the same: it is not the layout.
+# (prompt, chosen, rejected) lengths of 16 pairs: a batch (one of 80 random ones tried, 3 of which
+# do it) where OPT's AdamW runs in shared and in separate rows part at step 2 (3e-4 in the gradient
+# norm, float32, x86 CPU), as they do with separate rows alone and the pairs in another order.
+OPT_ADAM_LENGTHS = [
+    *((1, 16, 4), (13, 5, 22), (2, 5, 4), (18, 8, 23), (5, 5, 24), (2, 22, 2), (5, 8, 18)),
+    *((24, 15, 17), (14, 7, 19), (3, 4, 1), (13, 11, 7), (7, 11, 13), (12, 20, 8), (7, 24, 7)),
+    *((14, 19, 22), (18, 2, 2)),
+]
+
+
+def test_opt_takes_the_same_steps_shared_or_separate_but_for_adams_first_step():
+    """OPT, float32, on a batch where AdamW's 2-step runs in shared and separate rows part: the two
+    layouts give the same step-1 gradients to float32 rounding, and from the same weights the same
+    step-2 gradients; with SGD their runs agree within 1e-5. AdamW's first step moves a weight by
+    lr * g / (|g| + eps), whose slope in g is up to 1/eps: a gradient near eps (1e-8, 1e-7 of the
+    largest) turns a rounding-size difference into weights some 1e-5 apart (1e7 times what SGD's
+    lr * g does), and OPT's ReLU, the one of _shared_config's models, flips where a pre-activation
+    lies that close to 0: a jump in step 2's gradient, of the weights, not of the layout."""
+    objective = LossConfig(loss=("dpo",), ref="online")
+    pairs = [_random_pairs(OPT_ADAM_LENGTHS, seed=step) for step in range(2)]
+    torch.manual_seed(0)
+    start = add_scored_head(
+        transformers.AutoModelForCausalLM.from_config(_shared_config("opt"))
+    ).eval()
+    reference = copy.deepcopy(start).requires_grad_(False)
+    eps32 = F32_EPS
+
+    def step(policy, n, share):
+        """Step n's mean loss and gradients (and their norm), in shared or separate rows."""
+        policy.zero_grad()
+        batch = collate_pairs(pairs[n], pad_id=0, share_prompt=share)
+        logps, ref, _ = side_logps(policy, reference, batch, objective)
+        loss_ = pair_loss(logps, ref, batch.response_lengths, objective)["losses"].mean()
+        loss_.backward()
+        grads = [p.grad.clone() for p in policy.parameters()]
+        norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])).item()
+        return loss_.item(), norm, grads
+
+    def assert_same_gradients(a, b):
+        # Each element a sum of terms up to the largest gradient's size: rounding is some eps32 of
+        # that, never LOGP_REL (84 eps32) of it.
+        largest = max(g.abs().max() for g in b)
+        for x, y in zip(a, b):
+            assert (x - y).abs().max() <= LOGP_REL * largest
+
+    lr, eps = 1e-3, 1e-8
+    after, grads = {}, {}
+    for share in (True, False):
+        after[share] = copy.deepcopy(start)
+        *_, grads[share] = step(after[share], 0, share)
+        torch.optim.AdamW(after[share].parameters(), lr=lr, eps=eps).step()
+    assert_same_gradients(grads[True], grads[False])
+    # AdamW's first step: w - lr * (0.01 w + g / (|g| + eps)), its slope in g at most 1/eps; the
+    # float32 rounding of the update on top.
+    moved = []
+    for w, v, start_w, a, b in zip(
+        after[True].parameters(), after[False].parameters(), start.parameters(), *grads.values()
+    ):
+        gap = (w - v).abs()
+        assert (gap <= lr * (a - b).abs() / eps + 2 * eps32 * (start_w.abs() + lr)).all()
+        moved.append((gap.max() / (lr * (a - b).abs().max().clamp(min=eps32 * 1e-3))).item())
+    # ... which sets some weights apart 1000 times and more than SGD's would (lr * |g_a - g_b|).
+    assert max(moved) > 1e3
+    # Step 2 from the same weights, either run's: the layouts agree.
+    for policy in after.values():
+        loss_a, norm_a, grads_a = step(policy, 1, True)
+        loss_b, norm_b, grads_b = step(policy, 1, False)
+        assert loss_a == pytest.approx(loss_b, rel=LOGP_REL)
+        assert norm_a == pytest.approx(norm_b, rel=LOGP_REL)
+        assert_same_gradients(grads_a, grads_b)
+    # SGD, whose step is linear in the gradients: 2 steps alike in either layout.
+    runs = []
+    for share in (True, False):
+        policy = copy.deepcopy(start)
+        optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+        history = []
+        for n in range(2):
+            loss_, _, _ = step(policy, n, share)
+            history += [loss_, torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0).item()]
+            optimizer.step()
+        runs.append(history)
+    assert runs[0] == pytest.approx(runs[1], rel=LOGP_REL)
 
 
 def test_a_deliberately_broken_shared_scoring_makes_the_probe_refuse(monkeypatch, fresh_probes):
@@ -6387,7 +6636,8 @@ def test_scorers_match_the_reward_model_called_directly_and_bad_ones_fail_in_one
                 ids = tokenizer(prompt + completion, return_tensors="pt")
             with torch.no_grad():
                 direct = model(**ids).logits[0, 0].item()
-            assert score == pytest.approx(direct, rel=1e-5, abs=1e-6)
+            # An order-1 output of a float32 forward on another batch shape: LOGP_REL of it.
+            assert score == pytest.approx(direct, rel=LOGP_REL, abs=LOGP_REL)
         prompts.append("Hi")
     assert generate.load_scorer("demo", cpu, torch.float32)(
         ["p"] * 3, [" The lamp is great. 5/5", " It is awful. 1/5", " It is a lamp."]

@@ -8,7 +8,6 @@ evaluation, checkpoints, export).
 """
 
 import json
-import math
 import os
 import sys
 import time
@@ -30,9 +29,11 @@ import fsdp_setup
 import generate
 import lora
 import loss
+import memory
 import metrics
 import models
 import precision
+import schedule
 from lora import LoraConfig
 
 # Every sub-config's flags are top-level: --beta, not --objective.beta.
@@ -70,18 +71,15 @@ class Config:
     checkpoints: Annotated[checkpoint.CheckpointConfig, _FLAGS] = field(
         default_factory=checkpoint.CheckpointConfig
     )
+    memory_plan: Annotated[memory.PlanConfig, _FLAGS] = field(default_factory=memory.PlanConfig)
     lr: float | None = None
     """Peak learning rate. Default: 1e-3 for tiny (from scratch), 5e-7 (DPO paper), 5e-6 with
     --lora-rank (TRL)."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
-    warmup_steps: int = 10
-    """Linear warmup steps, then the --lr-schedule."""
-    warmup_ratio: float = 0.0
-    """Warmup as a share of all steps (TRL's warmup_ratio); above 0 it replaces --warmup-steps."""
-    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    """After warmup: cosine to a tenth of --lr at the last step (kept low, not 0, so the last steps
-    still learn), linear to 0 (TRL's default), or constant."""
+    scheduling: Annotated[schedule.ScheduleConfig, _FLAGS] = field(
+        default_factory=schedule.ScheduleConfig
+    )
     out_dir: str = "runs/dpo"
     """Where metrics.jsonl, checkpoints/ and final/ (the Hugging Face export) go."""
     wandb: Annotated[metrics.WandbConfig, _FLAGS] = field(default_factory=metrics.WandbConfig)
@@ -108,10 +106,8 @@ class Config:
             self.lr = 1e-3
         elif self.lr is None:
             self.lr = 5e-6 if self.lora.lora_rank else 5e-7
-        if min(self.warmup_steps, self.weight_decay) < 0 or not 0 <= self.warmup_ratio < 1:
-            raise ValueError(
-                "--warmup-steps and --weight-decay must be >= 0, --warmup-ratio in [0, 1)"
-            )
+        if self.weight_decay < 0:
+            raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if self.lora.lora_rank and self.objective.sync_ref_model:
             raise ValueError(
                 "--sync-ref-model: with --lora-rank the reference is the base model, which never "
@@ -135,33 +131,37 @@ class Config:
 # Resuming with any of these changed is refused; all else may change (--max-steps, --lr, the
 # precision, ...). Every option of the loss counts, but not --ref: how the reference is computed.
 _SAME_RUN = {
-    name: "--" + name.replace("_", "-")
-    for name in (
-        "model",
-        "data",
-        "seed",
-        "eval_fraction",
-        "batch_size",
-        "max_length",
-        "max_prompt_length",
-        "truncation",
-        "group_by_length",
-        "share_prompt",
-        "pairs",
-        "lora_rank",
-        "lora_alpha",
-        "lora_targets",
-        *(f.name for f in fields(loss.LossConfig) if f.name != "ref"),
-    )
+    **{
+        name: "--" + name.replace("_", "-")
+        for name in (
+            "model",
+            "data",
+            "seed",
+            "eval_fraction",
+            "batch_size",
+            "max_length",
+            "max_prompt_length",
+            "truncation",
+            "group_by_length",
+            "share_prompt",
+            "pairs",
+            "lora_rank",
+            "lora_alpha",
+            "lora_targets",
+            *(f.name for f in fields(loss.LossConfig) if f.name != "ref"),
+        )
+    },
+    "data_sha256": "the tokenized --data (its content, cut by this code)",
 }
-_SAME_RUN["data_sha256"] = "the tokenized --data (its content, cut by this code)"
 
 
 # ---------------------------------------------------------------------------------------- the loop
-def train(cfg: Config, device: torch.device) -> int:
+def train(
+    cfg: Config, device: torch.device, resume_hint: str = "continue with --resume latest"
+) -> int:
     """Everything that needs the process group: setup, then each step's learning rate, the step,
-    TR-DPO's sync, logging, skip accounting, evaluation, checkpoints and a requested stop; the
-    export at the end. Returns the exit code."""
+    TR-DPO's sync, logging, skip accounting, evaluation, checkpoints and a requested stop (saved,
+    then `resume_hint` said); the export at the end. Returns the exit code."""
     try:
         run, optimizer = setup(cfg, device)
     except ValueError as e:
@@ -202,7 +202,7 @@ def train(cfg: Config, device: torch.device) -> int:
     for step in range(run.start_step, run.steps.total_steps):
         step_t0 = time.perf_counter()
         done = step + 1
-        lr = get_lr(step, cfg, run.steps.total_steps)
+        lr = schedule.learning_rate(step, cfg.lr, cfg.scheduling, run.steps.total_steps)
         stats = train_step(run, optimizer, run.steps(step), lr, stop)
         if cfg.objective.sync_ref_model and (step + 1) % cfg.objective.ref_model_sync_steps == 0:
             # TR-DPO: the reference moves toward the policy, shard by shard (after a skipped step
@@ -238,10 +238,7 @@ def train(cfg: Config, device: torch.device) -> int:
         # A background save written by now moves `latest`; before a stop, wait for it.
         saver.finish(wait=stats.stop_requested)
         if stats.stop_requested:
-            metrics.say(
-                f"stopped by a signal after step {step + 1}: saved {path}; continue with "
-                "--resume latest"
-            )
+            metrics.say(f"stopped by a signal after step {step + 1}: saved {path}; {resume_hint}")
             # The log's files and the W&B run are closed: the process then leaves without
             # interpreter shutdown.
             log.close()
@@ -305,8 +302,9 @@ def train_step(
 
     sums.all_reduce()
     # Two maxima in one all-reduce: the fullest rank's memory, and whether any rank must stop.
-    peaks = [metrics.peak_memory_gb(run.device), float(stop.signum > 0)]
-    maxima = torch.tensor(peaks, device=run.device)
+    maxima = torch.tensor(
+        [metrics.peak_memory_gb(run.device), float(stop.signum > 0)], device=run.device
+    )
     dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
 
     # fp16: clip the true gradients, not the scaled ones.
@@ -341,21 +339,6 @@ def pair_losses(
     return loss.batch_loss(
         run.policy, run.reference, rows, run.cfg.objective, ref_logps, tokens_per_pair
     )
-
-
-def get_lr(step: int, cfg: Config, total: int) -> float:
-    """Step `step`'s (0-based, of `total`) learning rate: a linear warmup to --lr, then
-    --lr-schedule."""
-    warmup = math.ceil(cfg.warmup_ratio * total) if cfg.warmup_ratio else cfg.warmup_steps
-    if step < warmup:
-        return cfg.lr * (step + 1) / (warmup + 1)
-    if cfg.lr_schedule == "constant":
-        return cfg.lr
-    if cfg.lr_schedule == "linear":
-        # As transformers' linear schedule: it would reach 0 one step after the last.
-        return cfg.lr * (total - step) / (total - warmup)
-    progress = min((step - warmup) / max(total - 1 - warmup, 1), 1.0)
-    return cfg.lr / 10 + (cfg.lr - cfg.lr / 10) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def evaluate_and_sample(run: "Run", log: metrics.RunLog, step: int, t0: float) -> None:
@@ -432,18 +415,23 @@ class Run:
     ref_tables: dict = field(default_factory=dict)
 
 
-def setup(cfg: Config, device: torch.device) -> tuple[Run, torch.optim.Optimizer]:
+def setup(
+    cfg: Config, device: torch.device, stand_in: str | None = None
+) -> tuple[Run, torch.optim.Optimizer] | None:
     """Resolve the config (in place: the micro-batch size); read the data (rank 0 tokenizes) and
     the resume state; build the policy and (online) a frozen reference, sharded alike, each rank
     reading its own rows of the weights (LoRA: the reference is the base, adapters off), or
     precompute the reference's log-probs; then AdamW over the float32 master weights that train, as
     saved when resuming. Raises ValueError, naming the flag or the file, for anything the user must
-    fix."""
+    fix. With `stand_in`, a model whose config and tokenizer --model's will be once written (the
+    demo's SFT stage), only the checks that read no weights run, and None comes back."""
     mixed = precision.resolve_precision(cfg.mixed_precision, device)
     if mixed.warning:
         metrics.say(f"warning: {mixed.warning}")
-    tokenizer = data.load_tokenizer(cfg.model, cfg.dataset.chat_template)
-    model_config = models.load_model_config(cfg.model, tokenizer, cfg.dataset.max_length)
+    tokenizer = data.load_tokenizer(stand_in or cfg.model, cfg.dataset.chat_template)
+    model_config = models.load_model_config(
+        stand_in or cfg.model, tokenizer, cfg.dataset.max_length
+    )
     # A bad --lora-targets (or --export-merged) fails here, before any weights are read.
     probe = prepare_model(cfg, models.build_model(model_config))
     # A probe of the model's own kind, cut down: whether shared rows score as separate ones.
@@ -464,20 +452,23 @@ def setup(cfg: Config, device: torch.device) -> tuple[Run, torch.optim.Optimizer
     )
     # Refuses less data than one batch, before any weights are read.
     steps = batches.StepBatches(train_pairs.lengths, cfg.batching, cfg.seed)
-    saved = None
-    if cfg.checkpoints.resume:
-        # Rank 0 resolves "latest" for all: another node may still see its old target.
-        saved = fsdp_setup.on_rank0(
-            checkpoint.resume_state,
-            os.path.join(cfg.out_dir, "checkpoints"),
-            cfg.checkpoints.resume,
-            _identity(cfg, summary),
-            _SAME_RUN,
-        )
+    # Rank 0 resolves "latest" for all (another node may still see its old target), or finds no
+    # other run's checkpoints where a new run would write.
+    saved = fsdp_setup.on_rank0(
+        checkpoint.resume_state,
+        os.path.join(cfg.out_dir, "checkpoints"),
+        cfg.checkpoints.resume,
+        _identity(cfg, summary),
+        _SAME_RUN,
+    )
 
-    def make():  # the model as trained, its parameters on the meta device; build_sharded fills them
-        return prepare_model(cfg, models.build_model(model_config))
-
+    if cfg.memory_plan.plan or cfg.batching.micro_batch_size == "auto":
+        plan = plan_memory(cfg, device, mixed, model_config, train_pairs)
+        micro, table = memory.choose(plan, cfg.memory_plan, device, cfg.batching.micro_batch_size)
+        cfg.batching = replace(cfg.batching, micro_batch_size=micro)
+        metrics.say(table)
+    if stand_in or cfg.memory_plan.plan:
+        return None
     # A hub id is downloaded by each node's first rank alone (nodes need not share a cache); the
     # others wait, then find it in the cache.
     fsdp_setup.on_rank0(models.find_weights, cfg.model, share=False, per_node=True)
@@ -486,17 +477,7 @@ def setup(cfg: Config, device: torch.device) -> tuple[Run, torch.optim.Optimizer
     if cfg.lora.lora_rank:
         # The base's weights under peft's names, and the adapters as drawn.
         weights = lora.initial_weights(probe, weights)
-    # In eval mode (no dropout) unless --dropout.
-    policy = fsdp_setup.build_sharded(make, weights, mixed.mp_policy, device, cfg.fsdp)
-    policy = policy.train(cfg.dropout)
-    reference = None
-    online = cfg.objective.ref == "online" and not cfg.objective.reference_free
-    if online and cfg.lora.lora_rank:
-        reference = lora.WithoutAdapters(policy)
-    elif online:
-        reference = fsdp_setup.build_sharded(
-            make, weights, mixed.mp_policy, device, cfg.fsdp, frozen=True
-        )
+    policy, reference = build_models(cfg, model_config, weights, mixed.mp_policy, device)
     del weights
     run = Run(
         cfg=cfg,
@@ -552,6 +533,76 @@ def setup(cfg: Config, device: torch.device) -> tuple[Run, torch.optim.Optimizer
     return run, optimizer
 
 
+def build_models(cfg: Config, model_config, weights: dict | None, mp_policy, device: torch.device):
+    """(policy, reference) of `model_config` as trained (prepare_model), sharded alike, each rank
+    reading its own rows of `weights` (None: left on the meta device, for a memory plan). The
+    policy in eval mode (no dropout) unless --dropout; the reference None with --ref precompute or
+    a reference-free loss, with LoRA the policy's base (adapters off)."""
+
+    def make():  # parameters on the meta device; build_sharded fills them
+        return prepare_model(cfg, models.build_model(model_config))
+
+    policy = fsdp_setup.build_sharded(make, weights, mp_policy, device, cfg.fsdp).train(cfg.dropout)
+    online = cfg.objective.ref == "online" and not cfg.objective.reference_free
+    if online and cfg.lora.lora_rank:
+        return policy, lora.WithoutAdapters(policy)
+    if online:
+        return policy, fsdp_setup.build_sharded(
+            make, weights, mp_policy, device, cfg.fsdp, frozen=True
+        )
+    return policy, None
+
+
+def plan_memory(cfg: Config, device: torch.device, mixed, model_config, tokens) -> memory.Plan:
+    """Each GPU's memory for a step at each micro-batch size (memory.plan_memory), traced on fake
+    models built as training builds them, on micro-batches of the data's longest rows; without
+    --data, of rows of a --max-prompt-length prompt and --plan-responses responses that fill
+    --max-length."""
+    per_rank = cfg.batching.batch_size // dist.get_world_size()
+    if not cfg.dataset.data:
+        tokens = data.synthetic_rows(
+            per_rank,
+            cfg.dataset.prompt_limit,
+            cfg.dataset.max_length,
+            cfg.memory_plan.plan_responses,
+        )
+
+    def micro_batch(policy, rows):  # forward and backward, the reference's log-probs given
+        # One per response (per pair side for LD-DPO), as --ref precompute's table gives them.
+        sides = len(rows.response_lengths)
+        if cfg.objective.ld_alpha is not None:
+            sides = 2 * len(rows.chosen_index)
+        ref_logps = torch.zeros(sides, device=device)
+        out = loss.batch_loss(policy, None, rows.to(device), cfg.objective, ref_logps, 1.0)
+        out["losses"].sum().backward()
+
+    rows = {
+        size: batches.collate_rows(
+            [tokens[i] for i in batches.longest_rows(tokens, size)],
+            0,
+            cfg.batching.share_prompt,
+            cfg.batching.pairs,
+            not cfg.objective.pairwise,
+        )
+        for size in memory.micro_batch_sizes(per_rank)
+    }
+
+    policy, reference = build_models(cfg, model_config, None, mixed.mp_policy, device)
+    # The GPU's output layer, fused into the loss, wherever the plan is traced.
+    with loss.fused_head():
+        return memory.plan_memory(
+            policy,
+            reference,
+            micro_batch,
+            rows,
+            per_rank,
+            device,
+            cfg.fsdp.unsharded_grad_accumulation,
+            cfg.fsdp.cpu_offload,
+            {loss.__file__: "output layer and loss"},
+        )
+
+
 def _identity(cfg: Config, summary: dict) -> dict:
     """What a checkpoint records of its run, for check_same_run: the config and what it implies."""
     return {"config": asdict(cfg), "data_sha256": summary["train_sha256"]}
@@ -592,17 +643,15 @@ def load_or_precompute_ref(run: Run, model_config) -> dict[str, torch.Tensor]:
         return safetensors.torch.load_file(path, device=str(run.device))
     reference = lora.WithoutAdapters(run.policy) if run.cfg.lora.lora_rank else run.policy
 
-    ld_alpha = run.cfg.objective.ld_alpha
-
     def logps(rows):  # (R,), or (2P,) pair sides with --ld-alpha
-        return loss.response_logps(reference, rows, ld_alpha)
+        return loss.response_logps(reference, rows, run.cfg.objective.ld_alpha)
 
     with fsdp_setup.inference(run.policy):
         tables = {
             split: batches.response_table(
                 tokens,
                 logps,
-                ld_alpha is not None,
+                run.cfg.objective.ld_alpha is not None,
                 run.cfg.batching.micro_batch_size,
                 run.pad_id,
                 run.device,
@@ -637,9 +686,7 @@ def save(run: Run, saver: checkpoint.Checkpointer, optimizer, step: int) -> str:
         },
         "schedule": {
             "lr": run.cfg.lr,
-            "warmup_steps": run.cfg.warmup_steps,
-            "warmup_ratio": run.cfg.warmup_ratio,
-            "lr_schedule": run.cfg.lr_schedule,
+            **asdict(run.cfg.scheduling),
             "total_steps": run.steps.total_steps,
         },
     }
@@ -723,30 +770,47 @@ def main(argv: list[str] | None = None) -> None:
     _flowing_help(Config)
     argv = sys.argv[1:] if argv is None else argv
     try:
-        # Repeated --data, --eval-data, --loss flags append.
-        with tyro._errors.on_parse_error(_raise_config_error):
-            cfg = tyro.cli(Config, args=argv, config=(tyro.conf.UseAppendAction,))
+        cfg = _parse(argv)
+        # A plan needs no SFT stage: its model is the tiny one.
         stages = demo.warm_start(
-            cfg.warm_start,
+            cfg.warm_start and not cfg.memory_plan.plan,
             cfg.model,
             cfg.dataset.data,
             cfg.objective.pairwise,
             cfg.dataset.cache_dir,
         )
-        if stages.get("sft"):
-            main(stages["sft"])
         if stages:
-            metrics.say(f"demo: DPO from its SFT stage's model, {stages['model']} (trained once)")
-            # The run asked for, from that model; its own flags come last and win.
-            return main([*stages["then"], *argv])
-        _, _, device = fsdp_setup.init_distributed(
-            cfg.fsdp.device, cfg.fsdp.replicas, deterministic=cfg.fsdp.deterministic
-        )
+            # The run asked for, from the demo's SFT model; its own flags come last and win.
+            cfg = _parse([*stages["then"], *argv])
+            metrics.say(stages["line"])
+        if stages.get("sft"):
+            # Every check of the DPO run that reads no weights passes before the stage starts. The
+            # stage's model will be the tiny one, trained: its config and tokenizer stand in.
+            run_process_group(cfg, setup, "tiny")
+            run_process_group(_parse(stages["sft"]), train, stages["resume_hint"])
+        run_process_group(cfg, setup if cfg.memory_plan.plan else train)
     except ValueError as e:
         metrics.say(f"error: {e}")
         sys.exit(2)
+
+
+def _parse(argv: list[str]) -> Config:
+    # Repeated --data, --eval-data, --loss flags append.
+    with tyro._errors.on_parse_error(_raise_config_error):
+        return tyro.cli(Config, args=argv, config=(tyro.conf.UseAppendAction,))
+
+
+def run_process_group(cfg: Config, fn, *args) -> None:
+    """fn(cfg, device, *args) in a process group of its own (train, or setup's checks alone);
+    exits with the code it returns, unless 0 or None."""
+    _, _, device = fsdp_setup.init_distributed(
+        cfg.fsdp.device,
+        cfg.fsdp.replicas,
+        deterministic=cfg.fsdp.deterministic,
+        fake_world=memory.planned_gpus(cfg.memory_plan),
+    )
     try:
-        code = train(cfg, device)
+        code = fn(cfg, device, *args)
     finally:
         dist.destroy_process_group()
     if code:

@@ -21,8 +21,10 @@ launch() {
 
 # The demo's SFT stage and prompt files, as train_dpo.py's default run writes them, once.
 if [ "$MODEL" = runs/cache/demo-sft/final ] && [ ! -d "$MODEL" ]; then
+  resume=()
+  if [ -f runs/cache/demo-sft/checkpoints/latest ]; then resume=(--resume latest); fi
   launch train_dpo.py --loss sft --data demo:sft --epochs 6 --out-dir runs/cache/demo-sft --num-samples 0 \
-    --no-eval-before
+    --no-eval-before "${resume[@]}"
 fi
 for round in $(seq 1 "$ROUNDS"); do
   dir=$OUT/round-$round

@@ -1,0 +1,366 @@
+"""Each GPU's memory for a training run, known before launch, on any machine. What a step keeps
+between steps (float32 master weights, AdamW's moments, frozen weights, the reference: each rank's
+shards) comes from the sharded model's own shapes. What the step makes and frees (FSDP2's gathered
+blocks and gradient reductions, the activations, the output layer and the loss, the gradients) is
+traced: the step's own code runs on fake tensors, which have shapes and dtypes but no memory and
+no values, and FSDP2's collectives move nothing. So the plan reads no weights and needs no GPU.
+
+Copyable on its own: imports only the standard library and torch.
+
+    policy, reference = build()  # sharded as in training, parameters on the meta device
+
+    def micro_batch(policy, reference, rows):  # forward and backward of one micro-batch
+        loss_of(policy, reference, rows.to(device)).backward()
+
+    # {micro-batch size: its host batch}: the peak of a step of each, and its parts
+    plan = plan_memory(policy, reference, micro_batch, {1: rows1, 2: rows2}, 2, device)
+    print(format_plan(plan, card_gb=80.0))
+    size = largest_fitting(plan, card_gb=80.0)  # ValueError if none fits
+
+The plan counts tensors, as torch.cuda.max_memory_allocated does; what no tensor holds (the CUDA
+context, cuBLAS's workspace, NCCL's buffers, the caching allocator's fragmentation) is the stated
+RESERVED_GB. A micro-batch size fits when its peak plus RESERVED_GB is at most FITS of the card.
+"""
+
+import os
+import sys
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+GB = 1e9
+# What a GPU holds besides tensors: the CUDA context with its kernels and cuBLAS's workspace, and
+# NCCL's buffers (several per communicator). Not measured here: an allowance, to be checked on GPUs
+# against torch.cuda.mem_get_info (bench/plan_gpu.sh).
+RESERVED_GB = 2.0
+# The share of a card a run may plan to fill: the caching allocator rounds and fragments blocks.
+FITS = 0.9
+# Where FSDP2's code lives: storages made or resized there are its gathered blocks and reductions.
+_FSDP_DIR = str(Path(torch.distributed.fsdp.__file__).parent)
+_TORCH_DIR = str(Path(torch.__file__).parent)
+_FSDP_PART = "gathered blocks and reductions (FSDP2)"
+
+
+@dataclass
+class PlanConfig:
+    plan: bool = False
+    """Print each GPU's memory for this run, its parts and the peak at each micro-batch size, then
+    exit: nothing trains and no weights are read (the model's config only)."""
+    plan_gpus: int | None = None
+    """GPUs that --plan plans for (with --replicas: HSDP). Default: WORLD_SIZE, else the visible
+    GPUs, else 1."""
+    gpu_memory: float | None = None
+    """One GPU's memory in GB, for --plan and --micro-batch-size auto. Default: the visible
+    GPU's."""
+    plan_responses: int = 2
+    """Responses per row that --plan assumes without --data (a pair file's: 2)."""
+
+    def __post_init__(self):
+        if self.plan_gpus is not None and self.plan_gpus < 1:
+            raise ValueError(f"--plan-gpus must be >= 1, got {self.plan_gpus}")
+        if self.gpu_memory is not None and self.gpu_memory <= 0:
+            raise ValueError(f"--gpu-memory must be > 0 GB, got {self.gpu_memory}")
+        if self.plan_responses < 2:
+            raise ValueError(f"--plan-responses must be >= 2, got {self.plan_responses}")
+
+
+@dataclass
+class Plan:
+    """One GPU's memory for a step at each micro-batch size: its peak, and what the peak holds."""
+
+    per_rank: int
+    """Rows per GPU per step: a micro-batch size that divides it trains."""
+    peaks: dict[int, float] = field(default_factory=dict)
+    """Micro-batch size -> the step's peak, GB."""
+    parts: dict[int, dict[str, float]] = field(default_factory=dict)
+    """Micro-batch size -> GB by part at that peak (they add up to it)."""
+    host: dict[str, float] = field(default_factory=dict)
+    """GB by part kept in host memory (--cpu-offload), not on the GPU."""
+
+
+def planned_gpus(config: PlanConfig) -> int:
+    """With --plan, the GPUs planned for: --plan-gpus, else WORLD_SIZE, else the visible GPUs,
+    else 1; 0 without."""
+    if not config.plan:
+        return 0
+    return (
+        config.plan_gpus or int(os.environ.get("WORLD_SIZE", 0)) or torch.cuda.device_count() or 1
+    )
+
+
+def plan_memory(
+    policy: nn.Module,
+    reference: nn.Module | None,
+    micro_batch,
+    rows: dict,
+    per_rank: int,
+    device: torch.device,
+    unsharded_accumulation: bool = False,
+    offload: bool = False,
+    parts_from: dict[str, str] | None = None,
+) -> Plan:
+    """The plan of a step for each micro-batch size in `rows` ({size: a host batch of `size` rows}),
+    on `policy` and `reference` as training builds them: FSDP2-sharded, parameters on the meta
+    device (made fake tensors on `device` here); reference None, or sharing the policy's
+    parameters as LoRA's does. micro_batch(policy, batch) runs one micro-batch's forward and
+    backward, the reference's log-probs given: its forward keeps nothing for backward.
+
+    What a step keeps between steps comes from the shards. One micro-batch is traced, reducing its
+    gradients; a step of several is planned as its last, which holds every gradient throughout
+    (each block's reduction made, then added in). With --unsharded-grad-accumulation the first
+    micro-batch (no reduction: unsharded gradients kept) is traced too. parts_from: {source file:
+    part}, naming storages that code in that file makes (say, the loss's: "output layer and
+    loss"); FSDP2's own are its gathered blocks and reductions, what the step leaves in .grad the
+    gradients, the rest activations."""
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake:
+        for model in (policy, reference):
+            if model is not None:
+                model.to_empty(device=device)
+    state = _state_parts(policy, reference)
+    plan = Plan(per_rank)
+    # Offloaded, the policy's shards, gradients and moments stay in host memory.
+    if offload:
+        plan.host = {k: state.pop(k) / GB for k in list(state) if k != "reference"}
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    for size, batch in rows.items():
+        syncs = [True]
+        if size < per_rank and unsharded_accumulation:
+            syncs = [False, True]
+        with fake, _Trace(parts_from or {}) as trace:
+            for sync in syncs:
+                policy.set_requires_gradient_sync(sync)
+                micro_batch(policy, batch)
+            grads = {trace.ids.get(_key(_local(p.grad))) for p in trainable if p.grad is not None}
+            policy.zero_grad(set_to_none=True)
+        held = size < per_rank and not unsharded_accumulation
+        parts = {**state, **trace.peak(grads, held, offload)}
+        plan.parts[size] = {k: v / GB for k, v in parts.items()}
+        plan.peaks[size] = sum(parts.values()) / GB
+    return plan
+
+
+def choose(plan: Plan, config: PlanConfig, device: torch.device, micro) -> tuple[int, str]:
+    """(the micro-batch size, the plan as a table): `micro`, or for "auto" the largest that fits
+    the card (card_memory_gb)."""
+    card = card_memory_gb(config, device)
+    if micro == "auto":
+        micro = largest_fitting(plan, card)
+    title = f"memory plan for each GPU, of {dist.get_world_size()}:"
+    return micro, format_plan(plan, card, micro, title)
+
+
+def card_memory_gb(config: PlanConfig, device: torch.device) -> float | None:
+    """One GPU's memory in GB: --gpu-memory, else the GPU of `device`'s; None on a CPU without
+    --gpu-memory."""
+    if config.gpu_memory is not None:
+        return config.gpu_memory
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / GB
+    return None
+
+
+def fits(peak_gb: float, card_gb: float | None) -> bool:
+    """Whether a step's peak fits a card: with RESERVED_GB, at most FITS of it."""
+    return card_gb is not None and peak_gb + RESERVED_GB <= FITS * card_gb
+
+
+def largest_fitting(plan: Plan, card_gb: float | None) -> int:
+    """--micro-batch-size auto: the largest planned size that divides the rows per GPU and fits.
+    ValueError without a card, or where none fits."""
+    if card_gb is None:
+        raise ValueError(
+            "--micro-batch-size auto needs a card to fit: a GPU, or --gpu-memory GB on a CPU"
+        )
+    fitting = [s for s, peak in plan.peaks.items() if not plan.per_rank % s and fits(peak, card_gb)]
+    if not fitting:
+        smallest = min(plan.peaks)
+        raise ValueError(
+            f"--micro-batch-size auto: even {smallest} row per GPU needs "
+            f"{plan.peaks[smallest] + RESERVED_GB:.1f} GB of a {card_gb:.1f} GB card (with "
+            f"{RESERVED_GB:g} GB for CUDA and NCCL); try --activation-checkpointing, --lora-rank, "
+            "more GPUs or a shorter --max-length"
+        )
+    return max(fitting)
+
+
+def format_plan(plan: Plan, card_gb: float | None, size: int, title: str) -> str:
+    """The plan as a table: micro-batch `size`'s parts and peak (and the card's memory), then each
+    size's peak and whether it fits; under `title`."""
+    lines = [title]
+    for part, gb in plan.parts[size].items():
+        lines.append(f"  {part:<44} {gb:9.3f} GB")
+    lines += [f"  {part + ', in host memory':<44} {gb:9.3f} GB" for part, gb in plan.host.items()]
+    card = "no card given (--gpu-memory)"
+    if card_gb is not None:
+        card = f"of a {card_gb:.1f} GB card, {FITS:.0%} usable, {RESERVED_GB:g} GB reserved"
+    lines.append(f"  {f'peak at micro-batch {size}':<44} {plan.peaks[size]:9.3f} GB {card}")
+    lines.append("  micro-batch   peak GB   fits")
+    for s, peak in plan.peaks.items():
+        verdict = "yes" if fits(peak, card_gb) else "no"
+        if plan.per_rank % s:
+            verdict += f" (does not divide {plan.per_rank} rows per GPU)"
+        lines.append(f"  {s:>11} {peak:9.3f}   {verdict}")
+    return "\n".join(lines)
+
+
+def micro_batch_sizes(per_rank: int) -> list[int]:
+    """The sizes a plan lists: powers of two below the rows per GPU, then all of them."""
+    return [2**i for i in range(per_rank.bit_length()) if 2**i < per_rank] + [per_rank]
+
+
+def _state_parts(policy: nn.Module, reference: nn.Module | None) -> dict[str, int]:
+    """Bytes by part of what a rank keeps between steps: its shards of the weights trained (float32
+    masters), of frozen weights (LoRA's base) and of the reference, AdamW's two float32 moments of
+    each weight trained, and its step count (a float32 per weight, on the device with the fused
+    AdamW)."""
+    parts = {"weights trained (float32 masters)": 0, "frozen weights": 0, "reference": 0}
+    seen = set()
+    models = [("weights trained (float32 masters)", policy)]
+    if reference is not None:
+        models.append(("reference", reference))
+    for part, model in models:
+        for param in model.parameters():
+            local = _local(param)
+            if _key(local) in seen:
+                continue
+            seen.add(_key(local))
+            name = part
+            if part != "reference" and not param.requires_grad:
+                name = "frozen weights"
+            parts[name] += local.untyped_storage().nbytes()
+    trainable = [_local(p) for p in policy.parameters() if p.requires_grad]
+    parts["AdamW's moments and steps"] = sum(8 * t.numel() + 4 for t in trainable)
+    return {k: v for k, v in parts.items() if v}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+class _Trace(TorchDispatchMode):
+    """Every storage that ops make while it is on, and every resize of a storage (how FSDP2 frees
+    and refills its gathered parameters), as events (id, change in bytes, part): the peak of their
+    sum, and what it holds (peak)."""
+
+    def __init__(self, parts_from: dict[str, str]):
+        super().__init__()
+        self.parts_from = parts_from
+        # (storage id, change in bytes, part: None where a storage goes) in order.
+        self.events = []
+        # The storages seen and alive: key (address) -> id, and id -> bytes.
+        self.ids = {}
+        self._bytes = {}
+        self._resize = None
+        self._on = False
+
+    def __enter__(self):
+        self._resize = torch.UntypedStorage.resize_
+        self._on = True
+        trace = self
+
+        # FSDP2 frees and refills storages in place, which no dispatch mode sees.
+        def resize_(storage, size):
+            trace._resize(storage, size)
+            trace._record(storage)
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *args):
+        torch.UntypedStorage.resize_ = self._resize
+        self._on = False
+        return super().__exit__(*args)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {_key(a) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+        for tensor in tree_flatten(out)[0]:
+            # An op's output on an input's storage (a view, an in-place op) is no new memory.
+            if isinstance(tensor, torch.Tensor) and _key(tensor) not in inputs:
+                self._record(tensor.untyped_storage())
+        return out
+
+    def _record(self, storage) -> None:
+        """A storage's bytes now: a new one, or one resized."""
+        key = storage._cdata
+        if key not in self.ids:
+            self.ids[key] = len(self._bytes)
+            self._bytes[self.ids[key]] = 0
+            # A storage's Python object lives as long as its memory does.
+            weakref.finalize(storage, self._drop, key, self.ids[key])
+        storage_id = self.ids[key]
+        size = storage.nbytes()
+        if size != self._bytes[storage_id]:
+            self.events.append((storage_id, size - self._bytes[storage_id], self._part()))
+            self._bytes[storage_id] = size
+
+    def _drop(self, key: int, storage_id: int) -> None:
+        if self._on and self._bytes[storage_id]:
+            self.events.append((storage_id, -self._bytes[storage_id], None))
+        self._bytes[storage_id] = 0
+        if self.ids.get(key) == storage_id:
+            del self.ids[key]
+
+    def _part(self) -> str:
+        """The part a storage made now belongs to, by the code making it: the innermost frame on the
+        Python stack in FSDP2's files, or outside torch's; that frame's file in parts_from names
+        its part, any other file's are activations (the model's code, or backward's)."""
+        frame = sys._getframe(3)
+        while frame is not None and not frame.f_code.co_filename.startswith(_FSDP_DIR):
+            if not frame.f_code.co_filename.startswith(_TORCH_DIR):
+                return self.parts_from.get(frame.f_code.co_filename, "activations")
+            frame = frame.f_back
+        if frame is None:
+            return "activations"
+        return _FSDP_PART
+
+    def peak(self, gradients: set, held: bool, offload: bool) -> dict[str, int]:
+        """Bytes by part at the peak of the events' running sum. `gradients`: the ids of the
+        storages the step left in .grad. held: every gradient is held from the start (a later
+        micro-batch of the step), each made here only as a reduction's result to be added in and
+        freed; offload: gradients are in host memory, not counted."""
+        sizes = {i: 0 for i in gradients}
+        for storage_id, change, _ in self.events:
+            if storage_id in sizes:
+                sizes[storage_id] = max(sizes[storage_id], change)
+        kept = 0
+        if held and not offload:
+            kept = sum(sizes.values())
+        now = best = kept
+        end = 0
+        for n, (storage_id, change, _) in enumerate(self.events):
+            grad = storage_id in sizes
+            if grad and (offload or (held and change < 0)):
+                continue
+            now += change
+            if now > best:
+                best, end = now, n + 1
+            if grad and held:
+                now -= change
+        # What is alive at the peak, by the part it was made as; gradients as counted above, and
+        # a reduction's result made at the peak as FSDP2's.
+        live = {}
+        for storage_id, change, part in self.events[:end]:
+            size, made_as = live.get(storage_id, (0, part))
+            live[storage_id] = (size + change, made_as)
+        parts = {_FSDP_PART: 0, "gradients": kept}
+        for storage_id, (size, made_as) in live.items():
+            if storage_id in sizes and not held and not offload:
+                parts["gradients"] += size
+            elif storage_id not in sizes:
+                parts[made_as] = parts.get(made_as, 0) + size
+        parts[_FSDP_PART] += best - sum(parts.values())
+        return {k: v for k, v in parts.items() if v}
