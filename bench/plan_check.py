@@ -1,0 +1,240 @@
+"""The memory plan against real training steps on this CPU, with the GPU's paths: the output layer
+fused into the loss (loss.fused_head), SDPA's kernels where the CPU has them. Each grid point trains
+3 steps of a run (its rows all of one shape, so that every micro-batch is the longest) and measures
+the third step's peak of live tensor bytes on each rank with torch's FSDPMemTracker: weights,
+gradients, optimizer state, activations and FSDP2's buffers, what torch.cuda.max_memory_allocated
+counts on a GPU (the reference's shards, which it does not see, added). The plan (train_dpo.py
+--plan, the same flags) gives its peak for the run's micro-batch size. Prints a line per point and,
+at the end, the error's spread.
+
+    python bench/plan_check.py [RANKS] [FILTER]  # from the repo root; RANKS 1 (default) or 2, 4
+
+RANKS > 1 starts itself under torchrun (gloo); FILTER keeps the points whose name contains it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, ".")
+import torch  # noqa: E402
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # noqa: E402
+
+import loss  # noqa: E402
+import memory  # noqa: E402
+import train_dpo  # noqa: E402
+
+OUT = os.path.join(tempfile.gettempdir(), "plan_check")
+MODELS = {  # hidden, intermediate, layers, heads, kv heads, vocabulary: random Llamas, byte tokens
+    "tiny": None,
+    "small": (256, 768, 4, 8, 4, 2048),
+}
+QWEN_MOE = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=384,
+    max_position_embeddings=4096,
+)
+
+
+def make_model(name: str) -> str:
+    """A folder holding model `name`'s config and the byte tokenizer (the plan needs no weights;
+    the run draws them from --seed as for tiny: models.open_weights)."""
+    import transformers
+
+    folder = os.path.join(OUT, "models", name)
+    if name == "tiny" or os.path.isdir(folder):
+        return name if name == "tiny" else folder
+    if name == "moe":
+        config = transformers.Qwen3MoeConfig(**QWEN_MOE)
+    else:
+        hidden, inter, layers, heads, kv, vocab = MODELS[name]
+        config = transformers.LlamaConfig(
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            vocab_size=vocab,
+            max_position_embeddings=4096,
+        )
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(folder)
+    transformers.ByT5Tokenizer().save_pretrained(folder)
+    return folder
+
+
+def make_data(length: int, k: int) -> str:
+    """64 rows of a prompt of length // 2 byte-tokens and k responses that fill `length` with their
+    EOS, scored k, ..., 1 (k = 2: a pair file)."""
+    path = os.path.join(OUT, f"rows-{length}-{k}.jsonl")
+    prompt, response = length // 2, length - length // 2 - 1
+    with open(path, "w") as f:
+        for i in range(64):
+            texts = [(chr(97 + (i + j) % 26) * response) for j in range(k)]
+            row = {"prompt": "p" * prompt, "chosen": texts[0], "rejected": texts[1]}
+            if k > 2:
+                row = {"prompt": "p" * prompt, "responses": texts, "scores": list(range(k, 0, -1))}
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+# name -> (model, length, K, micro-batch, flags)
+BASE = ("small", 256, 2, 2, ())
+POINTS = {
+    "base": BASE,
+    "tiny": ("tiny", 256, 2, 2, ()),
+    "moe": ("moe", 256, 2, 2, ("--precision", "bf16")),
+    "micro1": ("small", 256, 2, 1, ()),
+    "micro4": ("small", 256, 2, 4, ()),
+    "micro8": ("small", 256, 2, 8, ()),
+    "len128": ("small", 128, 2, 2, ()),
+    "len512": ("small", 512, 2, 2, ()),
+    "len1024": ("small", 1024, 2, 1, ()),
+    "k4-shared": ("small", 256, 4, 2, ()),
+    "k4-separate": ("small", 256, 4, 2, ("--no-share-prompt",)),
+    "separate": ("small", 256, 2, 2, ("--no-share-prompt",)),
+    "checkpointing": ("small", 256, 2, 2, ("--activation-checkpointing",)),
+    "checkpointing-micro4": ("small", 512, 2, 4, ("--activation-checkpointing",)),
+    "lora": ("small", 256, 2, 2, ("--lora-rank", "8")),
+    "precompute": ("small", 256, 2, 2, ("--ref", "precompute")),
+    "bf16": ("small", 256, 2, 2, ("--precision", "bf16")),
+    "bf16-micro4": ("small", 512, 2, 4, ("--precision", "bf16")),
+    "simpo": ("small", 256, 2, 2, ("--loss", "simpo")),
+}
+
+
+def flags(point, ranks: int, out: str) -> list[str]:
+    model, length, k, micro, extra = point
+    batch = 2 * micro * ranks
+    return [
+        *("--model", make_model(model), "--data", make_data(length, k), "--no-warm-start"),
+        *("--max-length", str(length), "--batch-size", str(batch)),
+        *("--micro-batch-size", str(micro), "--device", "cpu", "--num-samples", "0"),
+        *("--no-eval-before", "--eval-every", "0", "--out-dir", out, "--cache-dir", OUT + "/cache"),
+        *("--warmup-steps", "0", "--lr", "1e-4"),
+        *extra,
+    ]
+
+
+def measure(argv: list[str]) -> float:
+    """GB: the third step's peak of live tensor bytes on this rank, the output layer fused."""
+    real_step = train_dpo.train_step
+    real_logps = loss.response_logps
+    peaks = []
+    tracking = []
+
+    def step(run, optimizer, *args):
+        if len(peaks) < 2:
+            peaks.append(0.0)
+            return real_step(run, optimizer, *args)
+        tracker = FSDPMemTracker(run.policy, optimizer)
+        if run.reference is not None and run.reference is not run.policy:
+            tracker.track_external(run.reference)
+        tracking.append(tracker)
+        with tracker:
+            stats = real_step(run, optimizer, *args)
+        peak = max(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
+        # The tracker counts no DTensor shards of an external module: the reference's, added here
+        # (none of LoRA's, whose reference is the policy's base).
+        policy = {p.to_local().untyped_storage()._cdata for p in run.policy.parameters()}
+        for param in run.reference.parameters() if run.reference is not None else ():
+            storage = param.to_local().untyped_storage()
+            peak += storage.nbytes() * (storage._cdata not in policy)
+        peaks.append(peak / 1e9)
+        return stats
+
+    def response_logps(*args):
+        # The tracker's per-module records take one forward per module (LoRA's reference is the
+        # policy's); its peak is kept.
+        if tracking:
+            tracking[-1].reset_mod_stats()
+        return real_logps(*args)
+
+    train_dpo.train_step = step
+    loss.response_logps = response_logps
+    try:
+        with loss.fused_head():
+            train_dpo.main([*argv, "--max-steps", "3"])
+    finally:
+        train_dpo.train_step = real_step
+        loss.response_logps = real_logps
+    return peaks[-1]
+
+
+def planned(argv: list[str], ranks: int) -> float:
+    """GB: the plan's peak for the run's micro-batch size."""
+    real = memory.plan_memory
+    plans = []
+
+    def keep(*args, **kwargs):
+        plans.append(real(*args, **kwargs))
+        return plans[-1]
+
+    memory.plan_memory = keep
+    try:
+        train_dpo.main([*argv, "--plan", "--plan-gpus", str(ranks)])
+    finally:
+        memory.plan_memory = real
+    return plans[-1].peaks[int(argv[argv.index("--micro-batch-size") + 1])]
+
+
+def main() -> None:
+    ranks = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    wanted = sys.argv[2] if len(sys.argv) > 2 else ""
+    names = [n for n in POINTS if wanted in n]
+    if ranks > 1 and "RANK" not in os.environ:
+        for name in names:
+            make_model(POINTS[name][0])
+            make_data(POINTS[name][1], POINTS[name][2])
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += [f"--nproc_per_node={ranks}", __file__, str(ranks), wanted]
+        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        return
+    torch.set_num_threads(1 if ranks > 1 else torch.get_num_threads())
+    rank = int(os.environ.get("RANK", 0))
+    errors = []
+    for name in names:
+        out = os.path.join(OUT, f"run-{name}-{ranks}")
+        argv = flags(POINTS[name], ranks, out)
+        got = measure(argv)
+        rows = [torch.tensor([got])]
+        if ranks > 1:
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo")
+            rows = [torch.zeros(1) for _ in range(ranks)]
+            dist.all_gather(rows, torch.tensor([got]))
+            dist.destroy_process_group()
+        if rank == 0:
+            plan = planned(argv, ranks)
+            worst = max(float(r) for r in rows)
+            errors.append((plan - worst) / worst)
+            line = {"point": name, "ranks": ranks, "plan_gb": round(plan, 4)}
+            line |= {"measured_gb": round(worst, 4), "error": round(errors[-1], 4)}
+            print(json.dumps(line), flush=True)
+    if rank == 0 and errors:
+        errors.sort()
+        print(
+            json.dumps(
+                {
+                    "points": len(errors),
+                    "median_abs_error": sorted(abs(e) for e in errors)[len(errors) // 2],
+                    "min_error": errors[0],
+                    "max_error": errors[-1],
+                }
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
