@@ -22,6 +22,7 @@ sys.path.insert(0, ".")
 import torch  # noqa: E402
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # noqa: E402
 
+import fsdp_setup  # noqa: E402
 import loss  # noqa: E402
 import memory  # noqa: E402
 import train_dpo  # noqa: E402
@@ -211,12 +212,14 @@ def main() -> None:
         if ranks > 1:
             import torch.distributed as dist
 
-            dist.init_process_group("gloo")
+            # A group of its own keys in torchrun's store, as every run's (fsdp_setup).
+            fsdp_setup.init_distributed("cpu")
             rows = [torch.zeros(1) for _ in range(ranks)]
             dist.all_gather(rows, torch.tensor([got]))
             dist.destroy_process_group()
+        # Every rank plans, as every rank trains: their calls to fsdp_setup.on_rank0 stay in step.
+        plan = planned(argv, ranks)
         if rank == 0:
-            plan = planned(argv, ranks)
             worst = max(float(r) for r in rows)
             errors.append((plan - worst) / worst)
             line = {"point": name, "ranks": ranks, "plan_gb": round(plan, 4)}
