@@ -6946,7 +6946,7 @@ def test_the_plan_counts_the_shards_by_hand_and_its_parts_add_up(tmp_path, capsy
     assert {k: v for k, v in precomputed.parts[1].items() if k in STATE} == kept
 
 
-def test_the_plan_of_a_step_matches_the_step_measured_with_torchs_tracker(tmp_path):
+def test_the_plan_of_a_step_matches_the_step_measured_with_torchs_tracker(tmp_path, capsys):
     """The plan's peak against a real step's, on this CPU, with the GPU's fused output layer: one
     rank, the tiny model, micro-batches of 2 of 4 rows, every row of one length (so that every
     micro-batch is the longest), the third step's live tensor bytes as torch's FSDPMemTracker
@@ -6984,17 +6984,9 @@ def test_the_plan_of_a_step_matches_the_step_measured_with_torchs_tracker(tmp_pa
         monkeypatch.setattr(loss, "response_logps", response_logps)
         with loss.fused_head():
             run(tmp_path, "measured", *args, "--max-steps", "3")
-    plans = []
-    real = memory.plan_memory
-
-    def keep(*a, **kw):
-        plans.append(real(*a, **kw))
-        return plans[-1]
-
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setattr(memory, "plan_memory", keep)
-        run(tmp_path, "planned", *args, "--plan", "--plan-gpus", "1")
-    assert plans[-1].peaks[2] == pytest.approx(peaks[-1], rel=0.1)
+    # Its own --max-length (64) comes after _plan's.
+    plan, _ = _plan(tmp_path, capsys, *args, "--plan-gpus", "1")
+    assert plan.peaks[2] == pytest.approx(peaks[-1], rel=0.1)
 
 
 def test_auto_takes_the_largest_micro_batch_the_card_fits_and_bad_plans_say_why(tmp_path, capsys):
