@@ -243,9 +243,7 @@ class StepBatches:
         self.config = config
         self.seed = seed
         self.n_rows = len(row_lens)
-        self.lengths = None
-        if config.group_by_length:
-            self.lengths = row_lengths(row_lens)
+        self.lengths = row_lengths(row_lens) if config.group_by_length else None
         self.steps_per_epoch = self.n_rows // config.batch_size
         if not self.steps_per_epoch:
             raise ValueError(
@@ -281,9 +279,7 @@ def pair_counts(rows, idx: list[int], pairs: str, best_only: bool = False) -> tu
     for i in idx:
         lengths = rows.lengths[i].tolist()
         scores = rows.scores[i].tolist()
-        found = row_pairs(scores, pairs)
-        if best_only:
-            found = [(best_response(scores), None)]
+        found = [(best_response(scores), None)] if best_only else row_pairs(scores, pairs)
         count += len(found)
         tokens += sum(lengths[1 + c] for c, _ in found)
     return count, tokens
@@ -312,11 +308,12 @@ def build_batches(
     return batches
 
 
-def longest_rows(rows, size: int) -> list[int]:
-    """The `size` rows of `rows` (data.RowTokens) with the most tokens (row_lengths): the largest
-    micro-batch of that size a step can hold."""
+def longest_rows(rows, size: int, among: list[int] | None = None) -> list[int]:
+    """The `size` rows of `rows` (data.RowTokens), or of its rows `among`, with the most tokens
+    (row_lengths): the largest micro-batch of that size a step of them can hold."""
     lengths = row_lengths(rows.lengths)
-    return sorted(range(len(lengths)), key=lengths.__getitem__)[-size:]
+    candidates = range(len(lengths)) if among is None else among
+    return sorted(candidates, key=lengths.__getitem__)[-size:]
 
 
 def rank_share(batch: list[int], rank: int, world_size: int) -> list[int]:

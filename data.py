@@ -428,13 +428,6 @@ class RowTokens:
     def __len__(self) -> int:
         return len(self.lengths)
 
-    def mean_best(self, idx: list[int] | None = None) -> float:
-        """Mean tokens of each row's best-scored response (the first of equal bests: what SFT trains
-        on) over rows `idx` (default: all)."""
-        rows = slice(None) if idx is None else idx
-        best = self.scores[rows].nan_to_num(nan=-math.inf).argmax(1, keepdim=True)
-        return self.lengths[rows].gather(1, 1 + best).double().mean().item()
-
     def __getitem__(self, i: int) -> dict[str, list]:
         p, *sizes = self.lengths[i].tolist()
         scores = self.scores[i][~self.scores[i].isnan()].tolist()

@@ -100,16 +100,6 @@ def score_response(prompt: str, completion: str) -> float:
     return float(score_completion(completion))
 
 
-def score_samples(completions: list[str]) -> dict[str, float]:
-    """The shares of completions in the chosen style ("samples/preferred") and in the rejected
-    one."""
-    scores = [score_completion(text) for text in completions]
-    return {
-        "samples/preferred": scores.count(1) / len(scores),
-        "samples/rejected_style": scores.count(-1) / len(scores),
-    }
-
-
 def demo_files(folder: str, write_jsonl) -> dict[str, str]:
     """{split: path} of the demo's "train", "eval" and "sft" splits as JSON Lines files in `folder`,
     each written by write_jsonl(path, pairs) unless it is there already."""
@@ -163,7 +153,13 @@ def record_samples(evaluations: list | None, step: int, means: dict, samples: li
     (what_moved reads them); nothing for other data (None) or without samples."""
     if evaluations is None or not samples:
         return
-    means.update(score_samples([s["completion"] for s in samples]))
+    scores = [score_completion(s["completion"]) for s in samples]
+    means.update(
+        {
+            "samples/preferred": scores.count(1) / len(scores),
+            "samples/rejected_style": scores.count(-1) / len(scores),
+        }
+    )
     evaluations.append((step, means["samples/preferred"], samples[0]))
 
 

@@ -287,10 +287,11 @@ def apply_fsdp(
     rest (ties kept). frozen: a reference (no gradients, eval mode), always resharded. replicas=R >
     1: HSDP, an (R, world/R) mesh."""
     # An explicit mesh: FSDP2's default takes CUDA whenever a GPU is visible, even for a CPU model.
-    if replicas == 1:
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    else:
-        mesh = _hsdp_mesh(device.type, replicas)
+    mesh = (
+        init_device_mesh(device.type, (dist.get_world_size(),))
+        if replicas == 1
+        else _hsdp_mesh(device.type, replicas)
+    )
     if frozen:
         model.requires_grad_(False).eval()
     # Offloaded: shards, gradients and optimizer state on the host, pinned for fast copies to a GPU.
@@ -436,12 +437,11 @@ def _full_tensor(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     ).full_tensor()
 
 
-def save_files(folder: str, tokenizer=None, extra: dict | None = None) -> None:
+def save_files(folder: str, tokenizer, extra: dict) -> None:
     """The tokenizer's files and each {file name: JSON-able} of `extra`, into `folder`: call on one
     rank."""
-    if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
-    for name, obj in (extra or {}).items():
+    tokenizer.save_pretrained(folder)
+    for name, obj in extra.items():
         with open(os.path.join(folder, name), "w") as f:
             json.dump(obj, f, indent=2)
 

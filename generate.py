@@ -205,8 +205,7 @@ def generate(
             logits = logits.repeat_interleave(num_generations, dim=0)
             mask = mask.repeat_interleave(num_generations, dim=0)
             positions = positions.repeat_interleave(num_generations, dim=0)
-        token = _next_tokens(logits, temperature, top_p, generators)
-        token = token.masked_fill(done, pad_id)
+        token = _next_tokens(logits, temperature, top_p, generators).masked_fill(done, pad_id)
         out.append(token)
         done |= token == eos_id
         all_done = done.all().float()
@@ -307,14 +306,10 @@ def generate_rows(
     dist.gather_object((rows, tokens), gathered)
     if rank:
         return [], 0
-    rows = sorted((row for part, _ in gathered for row in part), key=_index)
+    rows = sorted((row for part, _ in gathered for row in part), key=lambda row: row["index"])
     return [{k: v for k, v in row.items() if k != "index"} for row in rows], sum(
         n for _, n in gathered
     )
-
-
-def _index(row: dict) -> int:
-    return row["index"]
 
 
 def _prompt_ids(prompt, tokenizer, where: str) -> list[int]:
@@ -339,9 +334,7 @@ def _prompt_ids(prompt, tokenizer, where: str) -> list[int]:
 def _response(prompt, text: str):
     """A completion as the rows hold it: text after a text prompt, an assistant turn after
     messages."""
-    if isinstance(prompt, list):
-        return [{"role": "assistant", "content": text}]
-    return text
+    return [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
 
 
 def _checked_scores(scores, reward: str) -> list[float]:
@@ -457,15 +450,11 @@ def _reward_model(name: str, device: torch.device, dtype: torch.dtype):
 
 
 def _messages(prompt) -> list[dict]:
-    if isinstance(prompt, list):
-        return prompt
-    return [{"role": "user", "content": prompt}]
+    return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
 
 
 def _text(prompt) -> str:
-    if isinstance(prompt, str):
-        return prompt
-    return "".join(m["content"] for m in prompt)
+    return prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
 
 
 def _shard(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -473,14 +462,10 @@ def _shard(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     ModuleList), then the root."""
     mesh = torch.distributed.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
-    for block in max(lists, key=_size, default=[]):
+    for block in max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=[]):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
-
-
-def _size(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
 
 
 def write_rows(config: GenerateConfig, rows: list[dict], tokens: int, seconds: float) -> None:

@@ -97,7 +97,7 @@ _F_DIVERGENCE = {"dpo", "dpo_norm", "ipo", "hinge", "robust", "exo_pair", "disco
 _LOGIT_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 # The attention implementations that take a shared prompt's mask: boolean for SDPA, additive for
 # eager, a block mask for FlexAttention. Whether a model's attention takes that mask and the
-# positions exactly is probed (takes_shared_prompt): its transformers code, not a list of names.
+# positions exactly is probed (shared_prompt_refusal): its transformers code, not a list of names.
 _SHARED_PROMPT_ATTENTION = ("sdpa", "eager", "flex_attention")
 # The probe's verdicts, once per process: by (model type, attention, config as JSON), "" where
 # shared rows scored as separate ones, else why not (shared_prompt_refusal).
@@ -547,12 +547,6 @@ def _ld_sums(token_logps: torch.Tensor, batch, ld_alpha: float) -> torch.Tensor:
     cut = torch.minimum(own, lengths[other]).repeat_interleave(own, output_size=total)
     tokens = torch.where(at >= cut, ld_alpha * tokens, tokens)
     return torch.segment_reduce(tokens, "sum", lengths=own, unsafe=True, initial=0)
-
-
-def takes_shared_prompt(config) -> bool:
-    """Whether a Hugging Face model config (of a built model: its attention implementation is set)
-    scores shared-prompt rows exactly: see shared_prompt_refusal."""
-    return not shared_prompt_refusal(config)
 
 
 def shared_prompt_refusal(config) -> str:

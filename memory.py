@@ -34,19 +34,25 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-GB = 1e9
+# GB as peak_mem_gb, nvidia-smi and a card's name count them ("80GB"): 2^30 bytes.
+GB = 2**30
 # What a GPU holds besides tensors: the CUDA context with its kernels and cuBLAS's workspace, and
 # NCCL's buffers (several per communicator). Not measured here: an allowance, to be checked on GPUs
 # against torch.cuda.mem_get_info (bench/plan_gpu.sh).
 RESERVED_GB = 2.0
 # The share of a card a run may plan to fill: the caching allocator rounds and fragments blocks.
 FITS = 0.9
+# How far a run's measured peak may be from its plan before the run warns: a share of it, or
+# WORKSPACE_GB where that is more.
+TOLERANCE = 0.1
+# cuBLAS's workspaces (tens of MB), which the caching allocator counts as it counts tensors.
+WORKSPACE_GB = 0.1
 # Where FSDP2's code lives: storages made or resized there are its gathered blocks and reductions.
 _FSDP_DIR = str(Path(torch.distributed.fsdp.__file__).parent)
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _FSDP_PART = "gathered blocks and reductions (FSDP2)"
+MOMENTS = "AdamW's moments and steps"
 
 
 @dataclass
@@ -58,8 +64,8 @@ class PlanConfig:
     """GPUs that --plan plans for (with --replicas: HSDP). Default: WORLD_SIZE, else the visible
     GPUs, else 1."""
     gpu_memory: float | None = None
-    """One GPU's memory in GB, for --plan and --micro-batch-size auto. Default: the visible
-    GPU's."""
+    """One GPU's memory in GB (2^30 bytes: 80 for an 80GB card), for --plan and --micro-batch-size
+    auto. Default: the visible GPU's."""
     plan_responses: int = 2
     """Responses per row that --plan assumes without --data (a pair file's: 2)."""
 
@@ -212,6 +218,27 @@ def format_plan(plan: Plan, card_gb: float | None, size: int, title: str) -> str
     return "\n".join(lines)
 
 
+def fullest_rank_gb(plan: Plan, size: int, new_run: bool, device: torch.device) -> float:
+    """The largest over the ranks (a collective on `device`: nccl takes no CPU tensor) of each
+    rank's planned peak at micro-batch `size`, for a first step: in a new run, without AdamW's
+    moments, which the step's update makes."""
+    peak = plan.peaks[size]
+    if new_run:
+        peak -= plan.parts[size].get(MOMENTS, 0.0)
+    planned = torch.tensor(peak, device=device)
+    dist.all_reduce(planned, op=dist.ReduceOp.MAX)
+    return planned.item()
+
+
+def check_line(planned_gb: float, measured_gb: float) -> str:
+    """A line with a step's planned peak beside its measured one (torch.cuda.max_memory_allocated):
+    a warning when they differ by more than TOLERANCE of the measured (or WORKSPACE_GB)."""
+    line = f"memory: peak {measured_gb:.2f} GB at the first step, planned {planned_gb:.2f} GB"
+    if abs(planned_gb - measured_gb) > max(TOLERANCE * measured_gb, WORKSPACE_GB):
+        line = f"warning: {line}, off by more than {TOLERANCE:.0%}: the plan (--plan) is wrong here"
+    return line
+
+
 def micro_batch_sizes(per_rank: int) -> list[int]:
     """The sizes a plan lists: powers of two below the rows per GPU, then all of them."""
     return [2**i for i in range(per_rank.bit_length()) if 2**i < per_rank] + [per_rank]
@@ -238,12 +265,22 @@ def _state_parts(policy: nn.Module, reference: nn.Module | None) -> dict[str, in
                 name = "frozen weights"
             parts[name] += local.untyped_storage().nbytes()
     trainable = [_local(p) for p in policy.parameters() if p.requires_grad]
-    parts["AdamW's moments and steps"] = sum(8 * t.numel() + 4 for t in trainable)
+    parts[MOMENTS] = sum(8 * t.numel() + 4 for t in trainable)
     return {k: v for k, v in parts.items() if v}
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _tensors(values: list):
+    """The tensors among an op's arguments or outputs: tensors, and lists or tuples of them (an
+    operator's schema nests no deeper)."""
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            yield from (t for t in value if isinstance(t, torch.Tensor))
+        elif isinstance(value, torch.Tensor):
+            yield value
 
 
 def _key(tensor: torch.Tensor) -> int:
@@ -285,11 +322,12 @@ class _Trace(TorchDispatchMode):
         return super().__exit__(*args)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {_key(a) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
-        for tensor in tree_flatten(out)[0]:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {_key(a) for a in _tensors([*args, *kwargs.values()])}
+        for tensor in _tensors([out]):
             # An op's output on an input's storage (a view, an in-place op) is no new memory.
-            if isinstance(tensor, torch.Tensor) and _key(tensor) not in inputs:
+            if _key(tensor) not in inputs:
                 self._record(tensor.untyped_storage())
         return out
 

@@ -29,9 +29,7 @@ class ScheduleConfig:
 def learning_rate(step: int, lr: float, config: ScheduleConfig, total: int) -> float:
     """Step `step`'s (0-based, of `total`) learning rate: a linear warmup to `lr`, then
     config.lr_schedule."""
-    warmup = config.warmup_steps
-    if config.warmup_ratio:
-        warmup = math.ceil(config.warmup_ratio * total)
+    warmup = math.ceil(config.warmup_ratio * total) if config.warmup_ratio else config.warmup_steps
     if step < warmup:
         return lr * (step + 1) / (warmup + 1)
     if config.lr_schedule == "constant":

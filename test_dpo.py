@@ -2958,7 +2958,7 @@ def test_shared_rows_score_every_listed_model_as_separate_rows(kind):
     attention (eager for Gemma 2, whose soft-capping needs it; SDPA otherwise)."""
     torch.manual_seed(0)
     model = add_scored_head(transformers.AutoModelForCausalLM.from_config(_shared_config(kind)))
-    assert loss.takes_shared_prompt(model.config)
+    assert not loss.shared_prompt_refusal(model.config)
     objective = LossConfig(loss=("dpo",), use_weighting=True, ld_alpha=0.5, ref="online")
     # The model is its own reference: log-ratios 0, so the losses' gradients are the log-probs'.
     (logps, weights, losses), (logps2, weights2, losses2) = _shared_and_separate(
@@ -2996,7 +2996,7 @@ def test_attention_that_takes_no_dense_mask_scores_separate_rows():
     rows."""
     config = _shared_config("llama")
     config._attn_implementation = "flash_attention_2"
-    assert not loss.takes_shared_prompt(config)
+    assert loss.shared_prompt_refusal(config)
 
 
 def test_three_steps_train_alike_shared_or_separate_on_five_architectures():
@@ -3601,14 +3601,10 @@ def test_two_ranks_match_one_with_every_objective_option_on(objectives_run, two_
 
 
 @pytest.mark.parametrize("kind", CONVERTED)
-def test_converted_checkpoints_train_on_two_ranks_as_on_one_loading_alike(
-    kind, converted_runs, two_ranks
-):
+def test_converted_checkpoints_train_on_two_ranks_as_on_one(kind, converted_runs, two_ranks):
+    """Each rank reads its own rows of the converted files (test_a_rank_reads_only_the_experts_of_
+    its_own_rows shows it exactly; these models are too small for host memory to show it)."""
     _assert_same_run(converted_runs[kind], str(two_ranks[0][kind]), exact=False)
-    # The run's own line: the last before it says where it saved.
-    err = two_ranks[1].split(f"saved {two_ranks[0][kind] / 'final'}")[0]
-    by_rank = re.findall(r"after loading, GB by rank: ([\d.]+) ([\d.]+)", err)[-1]
-    assert max(map(float, by_rank)) <= 1.15 * min(map(float, by_rank))
 
 
 def test_two_ranks_train_like_the_plain_dpo_loop(plain_dpo, two_ranks):
@@ -5431,7 +5427,7 @@ def test_k_rows_score_as_their_pairs_written_out_on_five_architectures(kind):
     params = [p for p in model.parameters() if p.requires_grad]
     results = []
     for batch in (
-        collate_rows(rows, pad_id=0, share_prompt=loss.takes_shared_prompt(model.config)),
+        collate_rows(rows, pad_id=0, share_prompt=not loss.shared_prompt_refusal(model.config)),
         collate_rows(rows, pad_id=0),
         collate_rows(_as_pair_rows(rows), pad_id=0),
     ):
@@ -5803,7 +5799,7 @@ def test_k_varies_per_row_from_2_to_8(tmp_path):
         }
     assert summary["rows"] == summary["pairs"] == 4 and summary["responses"] == 18
     # The best (the highest score) is each row's last and longest response: 2k + 1 tokens.
-    assert tokens.mean_best() == sum(2 * k + 1 for k in (2, 8, 3, 5)) / 4
+    assert _mean_best(tokens) == sum(2 * k + 1 for k in (2, 8, 3, 5)) / 4
 
 
 def test_rows_that_rank_nothing_and_repeated_responses_are_dropped_and_counted(tmp_path):
@@ -5846,7 +5842,7 @@ def test_rows_that_rank_nothing_and_repeated_responses_are_dropped_and_counted(t
     }
     assert tokens.lengths.shape == (2, 4)
     # The first of equal bests: "x".
-    assert tokens.mean_best() == 2.0
+    assert _mean_best(tokens) == 2.0
 
 
 def test_truncation_keeps_the_prompt_rule_and_cuts_each_response_to_the_room(tmp_path):
@@ -6014,14 +6010,16 @@ def test_cache_round_trip_keeps_rows_and_scores(tmp_path):
     assert torch.equal(again[0].lengths, train.lengths)
 
 
-def test_mean_best_by_hand():
+def _mean_best(tokens):
+    """Mean tokens of each row's best response (the first of equal bests), row by row."""
+    rows = [tokens[i] for i in range(len(tokens))]
+    return sum(len(r["responses"][r["scores"].index(max(r["scores"]))]) for r in rows) / len(rows)
+
+
+def test_row_tokens_give_each_rows_prompt_and_responses_by_hand():
     lengths = torch.tensor([[2, 3, 5, 0], [1, 4, 6, 2], [3, 7, 1, 1]])
     scores = torch.tensor([[0.0, 1.0, math.nan], [2.0, 2.0, 1.0], [-1.0, -3.0, -0.5]])
     tokens = RowTokens(torch.arange(int(lengths.sum()), dtype=torch.int32), lengths, scores)
-    # Row 0's best is its second response (5 tokens), row 1's the first of two equal bests (4), row
-    # 2's its third (1).
-    assert tokens.mean_best() == pytest.approx((5 + 4 + 1) / 3)
-    assert tokens.mean_best([1]) == 4.0 and tokens.mean_best([0, 2]) == 3.0
     assert tokens[0] == {
         "prompt": [0, 1],
         "responses": [[2, 3, 4], [5, 6, 7, 8, 9]],
@@ -6374,9 +6372,9 @@ def test_listed_and_new_models_share_and_a_shared_row_matches_separate_rows(kind
     assert loss.shared_prompt_refusal(config) == ""
     seconds = time.process_time() - start
     assert seconds < 10, f"{kind}: the probe took {seconds:.1f} s of CPU time"
-    assert loss.takes_shared_prompt(config) and len(loss._PROBED) == 1
+    assert not loss.shared_prompt_refusal(config) and len(loss._PROBED) == 1
     # The built model's own config (its attention set by from_config) shares too.
-    assert loss.takes_shared_prompt(model.config) and len(loss._PROBED) == 2
+    assert not loss.shared_prompt_refusal(model.config) and len(loss._PROBED) == 2
 
 
 def test_the_window_and_the_response_mask_each_matter_in_that_check():
@@ -6401,7 +6399,7 @@ def test_bloom_does_not_share_and_the_probe_says_why(fresh_probes):
     """BLOOM's ALiBi is built from a 2D mask and refuses the 4D one: the probe answers False and
     keeps the error as its reason, the error shared rows really raise."""
     for config in (_real_config("bloom"), _tiny_config("bloom")):
-        assert not loss.takes_shared_prompt(config)
+        assert loss.shared_prompt_refusal(config)
         why = loss.shared_prompt_refusal(config)
         assert why.startswith("its probe raised ValueError: "), why
     model = _tiny_model("bloom")
@@ -6528,11 +6526,11 @@ def test_a_deliberately_broken_shared_scoring_makes_the_probe_refuse(monkeypatch
     ):
         monkeypatch.setattr(loss, name, broken)
         monkeypatch.setattr(loss, "_PROBED", {})
-        assert not loss.takes_shared_prompt(config), broken.__name__
+        assert loss.shared_prompt_refusal(config), broken.__name__
         assert "shared rows scored" in loss.shared_prompt_refusal(config)
         monkeypatch.undo()
     monkeypatch.setattr(loss, "_PROBED", {})
-    assert loss.takes_shared_prompt(llama) and loss.takes_shared_prompt(mistral)
+    assert not loss.shared_prompt_refusal(llama) and not loss.shared_prompt_refusal(mistral)
 
 
 def test_the_probe_keeps_the_callers_random_state_and_no_mask_attention_never_shares(
@@ -6543,7 +6541,7 @@ def test_the_probe_keeps_the_callers_random_state_and_no_mask_attention_never_sh
     other models' configs (Gemma 3's vision and text) is not probed: neither shares, each with its
     reason."""
     before, threads = torch.random.get_rng_state(), torch.get_num_threads()
-    assert loss.takes_shared_prompt(_real_config("qwen2"))
+    assert not loss.shared_prompt_refusal(_real_config("qwen2"))
     assert torch.equal(torch.random.get_rng_state(), before)
     assert torch.get_num_threads() == threads  # the probe's one thread given back
     config = _real_config("llama")
@@ -6551,7 +6549,7 @@ def test_the_probe_keeps_the_callers_random_state_and_no_mask_attention_never_sh
     assert loss.shared_prompt_refusal(config) == "flash_attention_2 attention takes no dense mask"
     config = transformers.AutoConfig.for_model("gemma3")
     config._attn_implementation = "sdpa"
-    assert not loss.takes_shared_prompt(config)
+    assert loss.shared_prompt_refusal(config)
     assert "holds other models' configs" in loss.shared_prompt_refusal(config)
     assert len(loss._PROBED) == 1
 
@@ -6924,8 +6922,8 @@ def test_the_plan_counts_the_shards_by_hand_and_its_parts_add_up(tmp_path, capsy
             16 // gpus
         )
         state = plan.parts[1]
-        assert state[STATE[0]] * 1e9 == 4 * n / gpus == state[STATE[1]] * 1e9
-        assert state[STATE[2]] * 1e9 == 8 * n / gpus + 4 * tensors
+        assert state[STATE[0]] * memory.GB == 4 * n / gpus == state[STATE[1]] * memory.GB
+        assert state[STATE[2]] * memory.GB == 8 * n / gpus + 4 * tensors
         for size, parts in plan.parts.items():
             assert sum(parts.values()) == pytest.approx(plan.peaks[size], rel=1e-12)
         assert f"memory plan for each GPU, of {gpus}:" in err
@@ -6950,8 +6948,9 @@ def test_the_plan_of_a_step_matches_the_step_measured_with_torchs_tracker(tmp_pa
     """The plan's peak against a real step's, on this CPU, with the GPU's fused output layer: one
     rank, the tiny model, micro-batches of 2 of 4 rows, every row of one length (so that every
     micro-batch is the longest), the third step's live tensor bytes as torch's FSDPMemTracker
-    counts them (plus the reference's shards, which it does not see). Within the issue's 10%: the
-    plan on a CPU grid is off by under 1% in shared rows (BENCHMARKS.md)."""
+    counts them (plus the reference's shards, which it does not see); and the first step's plan
+    against the first step. Within the issue's 10%: the plan on a CPU grid is off by under 1% in
+    shared rows (BENCHMARKS.md)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     rows = [{"prompt": "p" * 32, "chosen": "a" * 31, "rejected": "b" * 31}] * 8
@@ -6959,19 +6958,22 @@ def test_the_plan_of_a_step_matches_the_step_measured_with_torchs_tracker(tmp_pa
     args = ("--data", path, "--max-length", "64", "--batch-size", "4", "--micro-batch-size", "2")
     real_step = train_dpo.train_step
     real_logps = loss.response_logps
-    peaks, trackers = [], []
+    peaks, trackers, first = [], [], []
 
     def step(run, optimizer, *rest):
-        if len(peaks) < 2:
+        if len(peaks) == 1:
             peaks.append(0)
             return real_step(run, optimizer, *rest)
+        if not peaks:
+            config = models.load_model_config("tiny", run.tokenizer, 64)
+            first.append(train_dpo.plan_first_step(run, config))
         trackers.append(FSDPMemTracker(run.policy, optimizer))
         trackers[-1].track_external(run.reference)
         with trackers[-1]:
             stats = real_step(run, optimizer, *rest)
         peak = max(s["Total"] for s in trackers[-1].get_tracker_snapshot("peak").values())
         shards = sum(p.to_local().untyped_storage().nbytes() for p in run.reference.parameters())
-        peaks.append((peak + shards) / 1e9)
+        peaks.append((peak + shards) / memory.GB)
         return stats
 
     def response_logps(*rest):  # the tracker takes one forward per module and step
@@ -6987,6 +6989,22 @@ def test_the_plan_of_a_step_matches_the_step_measured_with_torchs_tracker(tmp_pa
     # Its own --max-length (64) comes after _plan's.
     plan, _ = _plan(tmp_path, capsys, *args, "--plan-gpus", "1")
     assert plan.peaks[2] == pytest.approx(peaks[-1], rel=0.1)
+    # What a GPU run checks its first step against (train_dpo.plan_first_step): its own rows'
+    # plan, without the AdamW moments that its update makes.
+    assert first[0] == pytest.approx(peaks[0], rel=0.1)
+
+
+@needs_cuda
+def test_a_gpu_run_checks_its_first_steps_peak_against_its_plan(tmp_path, capsys):
+    """On a GPU the run plans its first step and says so beside the measured peak, within 10% (no
+    warning), at micro-batches of 2 of 4 rows of one length and of the demo's rows of many."""
+    rows = [{"prompt": "p" * 32, "chosen": "a" * 31, "rejected": "b" * 31}] * 8
+    path = _write_jsonl(tmp_path / "rows.jsonl", rows)
+    for name, source in (("one-length", ("--data", path)), ("demo", ())):
+        flags = ("--max-length", "64", "--batch-size", "4", "--micro-batch-size", "2")
+        run(tmp_path, name, *source, *flags, "--max-steps", "2", device="cuda")
+        lines = [line for line in capsys.readouterr().err.splitlines() if "planned" in line]
+        assert len(lines) == 1 and lines[0].startswith("memory: peak "), lines
 
 
 def test_auto_takes_the_largest_micro_batch_the_card_fits_and_bad_plans_say_why(tmp_path, capsys):

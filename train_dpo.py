@@ -13,6 +13,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from typing import Annotated, Literal, get_type_hints
+from unittest import mock
 
 import docstring_parser
 import safetensors.torch
@@ -162,11 +163,7 @@ def train(
     """Everything that needs the process group: setup, then each step's learning rate, the step,
     TR-DPO's sync, logging, skip accounting, evaluation, checkpoints and a requested stop (saved,
     then `resume_hint` said); the export at the end. Returns the exit code."""
-    try:
-        run, optimizer = setup(cfg, device)
-    except ValueError as e:
-        metrics.say(f"error: {e}")
-        return 2
+    run, optimizer = setup(cfg, device)
     log = metrics.RunLog(
         cfg.out_dir, run.start_step, samples=cfg.sampling.num_samples > 0 and len(run.eval) > 0
     )
@@ -213,6 +210,8 @@ def train(
         row = stats.row(done, lr, now - step_t0, peak_flops, now - t0)
         log.write(row)
         metrics.show_progress(done, run.steps.total_steps, row)
+        if step == run.start_step and run.planned_gb is not None:
+            metrics.say(memory.check_line(run.planned_gb, stats.peak_memory_gb))
         bad_steps = precision.count_bad_steps(
             bad_steps, stats.skipped, stats.means["loss"], run.precision.scaler
         )
@@ -352,8 +351,12 @@ def evaluate_and_sample(run: "Run", log: metrics.RunLog, step: int, t0: float) -
     )
 
     def row_sums(idx, rows):  # (B, metrics.ROW_COLUMNS)
-        out = pair_losses(run, "eval", idx, rows, tokens / n_pairs)
-        return metrics.row_sums(out, rows, run.cfg.objective.pairwise, run.cfg.objective.listwise)
+        return metrics.row_sums(
+            pair_losses(run, "eval", idx, rows, tokens / n_pairs),
+            rows,
+            run.cfg.objective.pairwise,
+            run.cfg.objective.listwise,
+        )
 
     # Every rank evaluates and generates (FSDP needs them all); rank 0 writes.
     with fsdp_setup.inference(run.policy):
@@ -413,6 +416,8 @@ class Run:
     # --ref precompute: "train" and "eval", each batches.row_table's (N, K) per-response log-probs,
     # or with --ld-alpha (N, K, K), per pair.
     ref_tables: dict = field(default_factory=dict)
+    # On a GPU, the plan of the first step's peak (plan_first_step), in GB, which train() checks.
+    planned_gb: float | None = None
 
 
 def setup(
@@ -463,8 +468,12 @@ def setup(
     )
 
     if cfg.memory_plan.plan or cfg.batching.micro_batch_size == "auto":
-        plan = plan_memory(cfg, device, mixed, model_config, train_pairs)
-        micro, table = memory.choose(plan, cfg.memory_plan, device, cfg.batching.micro_batch_size)
+        micro, table = memory.choose(
+            plan_memory(cfg, device, mixed, model_config, train_pairs),
+            cfg.memory_plan,
+            device,
+            cfg.batching.micro_batch_size,
+        )
         cfg.batching = replace(cfg.batching, micro_batch_size=micro)
         metrics.say(table)
     if stand_in or cfg.memory_plan.plan:
@@ -505,6 +514,8 @@ def setup(
         f"{cfg.batching.batch_size} rows; peak host memory after loading, GB by rank: "
         + " ".join(f"{x:.2f}" for x in metrics.host_memory_by_rank_gb(device))
     )
+    if device.type == "cuda":
+        run.planned_gb = plan_first_step(run, model_config)
     if cfg.objective.ref == "precompute" and not cfg.objective.reference_free:
         run.ref_tables = load_or_precompute_ref(run, model_config)
     optimizer = torch.optim.AdamW(
@@ -543,23 +554,26 @@ def build_models(cfg: Config, model_config, weights: dict | None, mp_policy, dev
         return prepare_model(cfg, models.build_model(model_config))
 
     policy = fsdp_setup.build_sharded(make, weights, mp_policy, device, cfg.fsdp).train(cfg.dropout)
-    online = cfg.objective.ref == "online" and not cfg.objective.reference_free
-    if online and cfg.lora.lora_rank:
+    if cfg.objective.ref != "online" or cfg.objective.reference_free:
+        return policy, None
+    if cfg.lora.lora_rank:
         return policy, lora.WithoutAdapters(policy)
-    if online:
-        return policy, fsdp_setup.build_sharded(
-            make, weights, mp_policy, device, cfg.fsdp, frozen=True
-        )
-    return policy, None
+    return policy, fsdp_setup.build_sharded(make, weights, mp_policy, device, cfg.fsdp, frozen=True)
 
 
-def plan_memory(cfg: Config, device: torch.device, mixed, model_config, tokens) -> memory.Plan:
+def plan_memory(
+    cfg: Config, device: torch.device, mixed, model_config, tokens, among: list[int] | None = None
+) -> memory.Plan:
     """Each GPU's memory for a step at each micro-batch size (memory.plan_memory), traced on fake
     models built as training builds them, on micro-batches of the data's longest rows; without
     --data, of rows of a --max-prompt-length prompt and --plan-responses responses that fill
-    --max-length."""
+    --max-length. among: instead, the run's micro-batch size alone, of the longest of these
+    rows."""
     per_rank = cfg.batching.batch_size // dist.get_world_size()
-    if not cfg.dataset.data:
+    sizes = memory.micro_batch_sizes(per_rank)
+    if among is not None:
+        sizes = [cfg.batching.micro_batch_size]
+    elif not cfg.dataset.data:
         tokens = data.synthetic_rows(
             per_rank,
             cfg.dataset.prompt_limit,
@@ -569,27 +583,36 @@ def plan_memory(cfg: Config, device: torch.device, mixed, model_config, tokens) 
 
     def micro_batch(policy, rows):  # forward and backward, the reference's log-probs given
         # One per response (per pair side for LD-DPO), as --ref precompute's table gives them.
-        sides = len(rows.response_lengths)
-        if cfg.objective.ld_alpha is not None:
-            sides = 2 * len(rows.chosen_index)
+        sides = (
+            len(rows.response_lengths)
+            if cfg.objective.ld_alpha is None
+            else 2 * len(rows.chosen_index)
+        )
         ref_logps = torch.zeros(sides, device=device)
         out = loss.batch_loss(policy, None, rows.to(device), cfg.objective, ref_logps, 1.0)
         out["losses"].sum().backward()
 
     rows = {
         size: batches.collate_rows(
-            [tokens[i] for i in batches.longest_rows(tokens, size)],
+            [tokens[i] for i in batches.longest_rows(tokens, size, among)],
             0,
             cfg.batching.share_prompt,
             cfg.batching.pairs,
             not cfg.objective.pairwise,
         )
-        for size in memory.micro_batch_sizes(per_rank)
+        for size in sizes
     }
 
     policy, reference = build_models(cfg, model_config, None, mixed.mp_policy, device)
-    # The GPU's output layer, fused into the loss, wherever the plan is traced.
-    with loss.fused_head():
+    # The GPU's output layer, fused into the loss, wherever the plan is traced. Rows are never
+    # packed sequences, which transformers cannot tell on fake tensors: it would build a mask, and
+    # SDPA would take its masked kernel, where training takes the causal one.
+    with (
+        loss.fused_head(),
+        mock.patch.object(
+            transformers.masking_utils, "find_packed_sequence_indices", return_value=None
+        ),
+    ):
         return memory.plan_memory(
             policy,
             reference,
@@ -603,6 +626,17 @@ def plan_memory(cfg: Config, device: torch.device, mixed, model_config, tokens) 
         )
 
 
+def plan_first_step(run: Run, model_config) -> float:
+    """GB: the plan of this run's first step on its fullest GPU, to check against the step's
+    measured peak: on each rank, of its longest rows of the step as one micro-batch of the run's
+    size (so an upper bound where the step's micro-batches differ in length)."""
+    mine = batches.rank_share(run.steps(run.start_step), dist.get_rank(), dist.get_world_size())
+    plan = plan_memory(run.cfg, run.device, run.precision, model_config, run.train, mine)
+    return memory.fullest_rank_gb(
+        plan, run.cfg.batching.micro_batch_size, run.start_step == 0, run.device
+    )
+
+
 def _identity(cfg: Config, summary: dict) -> dict:
     """What a checkpoint records of its run, for check_same_run: the config and what it implies."""
     return {"config": asdict(cfg), "data_sha256": summary["train_sha256"]}
@@ -613,10 +647,12 @@ def prepare_model(cfg: Config, model):
     """The model as trained: its output layer scores responses alone (loss.ScoredHead); LoRA's
     adapters on."""
     loss.add_scored_head(model)
-    if not cfg.lora.lora_rank:
-        return model
     # The output layer computes the log-probs: lora.add_adapters refuses adapters on it.
-    return lora.add_adapters(model, cfg.lora, fsdp_setup.find_block_class(model), cfg.seed)
+    return (
+        lora.add_adapters(model, cfg.lora, fsdp_setup.find_block_class(model), cfg.seed)
+        if cfg.lora.lora_rank
+        else model
+    )
 
 
 def load_or_precompute_ref(run: Run, model_config) -> dict[str, torch.Tensor]:
@@ -642,15 +678,12 @@ def load_or_precompute_ref(run: Run, model_config) -> dict[str, torch.Tensor]:
         metrics.say(f"reference log-probs: {path} (cached)")
         return safetensors.torch.load_file(path, device=str(run.device))
     reference = lora.WithoutAdapters(run.policy) if run.cfg.lora.lora_rank else run.policy
-
-    def logps(rows):  # (R,), or (2P,) pair sides with --ld-alpha
-        return loss.response_logps(reference, rows, run.cfg.objective.ld_alpha)
-
     with fsdp_setup.inference(run.policy):
         tables = {
             split: batches.response_table(
                 tokens,
-                logps,
+                # (R,), or (2P,) pair sides with --ld-alpha
+                lambda rows: loss.response_logps(reference, rows, run.cfg.objective.ld_alpha),
                 run.cfg.objective.ld_alpha is not None,
                 run.cfg.batching.micro_batch_size,
                 run.pad_id,
@@ -659,15 +692,16 @@ def load_or_precompute_ref(run: Run, model_config) -> dict[str, torch.Tensor]:
             )
             for split, tokens in (("train", run.train), ("eval", run.eval))
         }
-
-    def write(tmp: str) -> None:
-        safetensors.torch.save_file(
+    fsdp_setup.on_rank0(
+        data.write_atomic,
+        path,
+        lambda tmp: safetensors.torch.save_file(
             {split: table.cpu() for split, table in tables.items()},
             tmp,
             metadata={"key": json.dumps(key, default=str)},
-        )
-
-    fsdp_setup.on_rank0(data.write_atomic, path, write, share=False)
+        ),
+        share=False,
+    )
     metrics.say(
         f"reference log-probs: computed {len(run.train) + len(run.eval)} rows, cached at {path}"
     )

@@ -5,7 +5,8 @@ the third step's peak of live tensor bytes on each rank with torch's FSDPMemTrac
 gradients, optimizer state, activations and FSDP2's buffers, what torch.cuda.max_memory_allocated
 counts on a GPU (the reference's shards, which it does not see, added). The plan (train_dpo.py
 --plan, the same flags) gives its peak for the run's micro-batch size. Prints a line per point and,
-at the end, the error's spread.
+at the end, the error's spread and how often the plan and the measure pick the same largest
+micro-batch size under a budget (same_choice).
 
     python bench/plan_check.py [RANKS] [FILTER]  # from the repo root; RANKS 1 (default) or 2, 4
 
@@ -46,6 +47,22 @@ QWEN_MOE = dict(
     max_position_embeddings=4096,
 )
 
+# Other architectures the trainer trains, as small: name -> (transformers config class, its args).
+SMALL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, vocab_size=384)
+ARCHITECTURES = {
+    "qwen3": (
+        "Qwen3Config",
+        SMALL | dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    ),
+    # Eager attention (its logits are soft-capped), sliding windows on every other layer.
+    "gemma2": (
+        "Gemma2Config",
+        SMALL | dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    ),
+    "gpt_neox": ("GPTNeoXConfig", SMALL | dict(num_attention_heads=4)),
+    "gpt2": ("GPT2Config", dict(n_embd=128, n_layer=3, n_head=4, vocab_size=384)),
+}
+
 
 def make_model(name: str) -> str:
     """A folder holding model `name`'s config and the byte tokenizer (the plan needs no weights;
@@ -57,6 +74,8 @@ def make_model(name: str) -> str:
         return name if name == "tiny" else folder
     if name == "moe":
         config = transformers.Qwen3MoeConfig(**QWEN_MOE)
+    elif name in ARCHITECTURES:
+        config = getattr(transformers, ARCHITECTURES[name][0])(**ARCHITECTURES[name][1])
     else:
         hidden, inter, layers, heads, kv, vocab = MODELS[name]
         config = transformers.LlamaConfig(
@@ -104,13 +123,17 @@ POINTS = {
     "k4-shared": ("small", 256, 4, 2, ()),
     "k4-separate": ("small", 256, 4, 2, ("--no-share-prompt",)),
     "separate": ("small", 256, 2, 2, ("--no-share-prompt",)),
+    "separate-micro1": ("small", 256, 2, 1, ("--no-share-prompt",)),
+    "separate-micro4": ("small", 256, 2, 4, ("--no-share-prompt",)),
     "checkpointing": ("small", 256, 2, 2, ("--activation-checkpointing",)),
+    "checkpointing-micro1": ("small", 256, 2, 1, ("--activation-checkpointing",)),
     "checkpointing-micro4": ("small", 512, 2, 4, ("--activation-checkpointing",)),
     "lora": ("small", 256, 2, 2, ("--lora-rank", "8")),
     "precompute": ("small", 256, 2, 2, ("--ref", "precompute")),
     "bf16": ("small", 256, 2, 2, ("--precision", "bf16")),
     "bf16-micro4": ("small", 512, 2, 4, ("--precision", "bf16")),
     "simpo": ("small", 256, 2, 2, ("--loss", "simpo")),
+    **{name: (name, 256, 2, 2, ()) for name in ARCHITECTURES},
 }
 
 
@@ -151,7 +174,7 @@ def measure(argv: list[str]) -> float:
         for param in run.reference.parameters() if run.reference is not None else ():
             storage = param.to_local().untyped_storage()
             peak += storage.nbytes() * (storage._cdata not in policy)
-        peaks.append(peak / 1e9)
+        peaks.append(peak / memory.GB)
         return stats
 
     def response_logps(*args):
@@ -204,6 +227,9 @@ def main() -> None:
     torch.set_num_threads(1 if ranks > 1 else torch.get_num_threads())
     rank = int(os.environ.get("RANK", 0))
     errors = []
+    # (model, length, K, flags) -> {micro-batch: (plan, measured)}: the points of one run's
+    # settings at several micro-batch sizes, for the choice of the largest that fits.
+    families = {}
     for name in names:
         out = os.path.join(OUT, f"run-{name}-{ranks}")
         argv = flags(POINTS[name], ranks, out)
@@ -222,6 +248,8 @@ def main() -> None:
         if rank == 0:
             worst = max(float(r) for r in rows)
             errors.append((plan - worst) / worst)
+            model, length, k, micro, extra = POINTS[name]
+            families.setdefault((model, length, k, extra), {})[micro] = (plan, worst)
             line = {"point": name, "ranks": ranks, "plan_gb": round(plan, 4)}
             line |= {"measured_gb": round(worst, 4), "error": round(errors[-1], 4)}
             print(json.dumps(line), flush=True)
@@ -234,9 +262,27 @@ def main() -> None:
                     "median_abs_error": sorted(abs(e) for e in errors)[len(errors) // 2],
                     "min_error": errors[0],
                     "max_error": errors[-1],
+                    "same_largest_fitting": same_choice(families),
                 }
             )
         )
+
+
+def same_choice(families: dict) -> float:
+    """The share of budgets at which the plan's largest fitting micro-batch size (peak at most the
+    budget) is the measured one: for each family of points at 2 or more sizes, 100 budgets evenly
+    from half its smallest measured peak to 1.5 times its largest."""
+    same = []
+    for peaks in families.values():
+        if len(peaks) < 2:
+            continue
+        low = min(m for _, m in peaks.values()) / 2
+        high = max(m for _, m in peaks.values()) * 1.5
+        for i in range(100):
+            budget = low + (high - low) * i / 99
+            chosen = [max([s for s in peaks if peaks[s][j] <= budget], default=0) for j in (0, 1)]
+            same.append(chosen[0] == chosen[1])
+    return sum(same) / max(len(same), 1)
 
 
 if __name__ == "__main__":
