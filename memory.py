@@ -22,6 +22,7 @@ context, cuBLAS's workspace, NCCL's buffers, the caching allocator's fragmentati
 RESERVED_GB. A micro-batch size fits when its peak plus RESERVED_GB is at most FITS of the card.
 """
 
+import logging
 import os
 import sys
 import weakref
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import fsdp
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -49,7 +51,7 @@ TOLERANCE = 0.1
 # cuBLAS's workspaces (tens of MB), which the caching allocator counts as it counts tensors.
 WORKSPACE_GB = 0.1
 # Where FSDP2's code lives: storages made or resized there are its gathered blocks and reductions.
-_FSDP_DIR = str(Path(torch.distributed.fsdp.__file__).parent)
+_FSDP_DIR = str(Path(fsdp.__file__).parent)
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _FSDP_PART = "gathered blocks and reductions (FSDP2)"
 MOMENTS = "AdamW's moments and steps"
@@ -127,6 +129,9 @@ def plan_memory(
     loss"); FSDP2's own are its gathered blocks and reductions, what the step leaves in .grad the
     gradients, the rest activations."""
     fake = FakeTensorMode(allow_non_fake_inputs=True)
+    # A kernel that fails on fake tensors reaches the user as one line (below), not also as the
+    # traceback that fake tensors log.
+    logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
     with fake:
         for model in (policy, reference):
             if model is not None:
@@ -144,7 +149,14 @@ def plan_memory(
         with fake, _Trace(parts_from or {}) as trace:
             for sync in syncs:
                 policy.set_requires_gradient_sync(sync)
-                micro_batch(policy, batch)
+                try:
+                    micro_batch(policy, batch)
+                except RuntimeError as e:
+                    # A kernel's fake version may refuse what its real one takes (transformers'
+                    # grouped experts take bf16 alone on fake tensors).
+                    raise ValueError(
+                        f"the memory plan cannot trace this step on fake tensors: {e}"
+                    ) from None
             grads = {trace.ids.get(_key(_local(p.grad))) for p in trainable if p.grad is not None}
             policy.zero_grad(set_to_none=True)
         held = size < per_rank and not unsharded_accumulation

@@ -5206,6 +5206,10 @@ def test_lora_flags_fail_with_one_line(tmp_path, capsys, monkeypatch):
 
 # -------------------------------------------------------------------------------------- copyability
 CONCERN_FILES = [
+    # Imported alone in one process, in this order: memory.py before fsdp_setup.py has imported
+    # torch's FSDP for it.
+    "memory.py",
+    "schedule.py",
     "loss.py",
     "precision.py",
     "fsdp_setup.py",
@@ -7009,8 +7013,8 @@ def test_a_gpu_run_checks_its_first_steps_peak_against_its_plan(tmp_path, capsys
 
 def test_auto_takes_the_largest_micro_batch_the_card_fits_and_bad_plans_say_why(tmp_path, capsys):
     """--micro-batch-size auto with a card that fits 2 rows, but not 4, of the 16 per GPU trains at
-    2; without a card on a CPU, a model config that cannot be read, and a card too small each end
-    in one line and code 2."""
+    2; without a card on a CPU, a model config that cannot be read, a card too small, and a step
+    that fake tensors cannot run each end in one line and code 2."""
     plan, _ = _plan(tmp_path, capsys, "--plan-gpus", "1")
     card = (plan.peaks[2] + memory.RESERVED_GB) / memory.FITS * 1.0001
     assert memory.fits(plan.peaks[2], card) and not memory.fits(plan.peaks[4], card)
@@ -7026,6 +7030,11 @@ def test_auto_takes_the_largest_micro_batch_the_card_fits_and_bad_plans_say_why(
         (("--micro-batch-size", "auto"), "--micro-batch-size auto needs a card to fit"),
         (("--model", str(tmp_path / "bad")), f"--model {tmp_path / 'bad'}: cannot load"),
         (("--micro-batch-size", "auto", "--gpu-memory", "1"), "--micro-batch-size auto: even 1"),
+        # Transformers' grouped experts take bf16 alone on fake tensors (in training, any dtype).
+        (
+            ("--model", converted_model("qwen3_moe")),
+            "the memory plan cannot trace this step on fake tensors: Expected inputs of BF16",
+        ),
     ):
         with pytest.raises(SystemExit) as exit_info:
             _plan(tmp_path, capsys, *args)
