@@ -59,6 +59,10 @@ ARCHITECTURES = {
         "Gemma2Config",
         SMALL | dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32),
     ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        SMALL | dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    ),
     "gpt_neox": ("GPTNeoXConfig", SMALL | dict(num_attention_heads=4)),
     "gpt2": ("GPT2Config", dict(n_embd=128, n_layer=3, n_head=4, vocab_size=384)),
 }
