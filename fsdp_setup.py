@@ -236,7 +236,7 @@ def build_sharded(
 ) -> nn.Module:
     """make_model() (parameters on the meta device), checkpointed (unless frozen: a reference) and
     compiled as `config` asks, sharded (apply_fsdp), each rank's shards read from `weights` (None:
-    left on the meta device).
+    left on the meta device, for a memory plan, and not compiled).
     Never-changing weights (frozen, LoRA's base) get no float32 master."""
     if config.unsharded_grad_accumulation and mp_policy.reduce_dtype == torch.bfloat16:
         raise ValueError(
@@ -254,7 +254,9 @@ def build_sharded(
             param.data = param.data.to(mp_policy.param_dtype)
     if config.activation_checkpointing and not frozen:
         apply_ac(model)
-    if config.compile:
+    # A memory plan's model (no weights) is traced eagerly: Dynamo, meeting a compiled block under
+    # the plan's dispatch mode, would skip that block's code for good, the run's blocks' too.
+    if config.compile and weights is not None:
         # After checkpointing, to compile the recomputation too; before FSDP, keeping its hooks out
         # of the graph.
         for block in _blocks(model):

@@ -5,24 +5,39 @@ blocks and gradient reductions, the activations, the output layer and the loss, 
 traced: the step's own code runs on fake tensors, which have shapes and dtypes but no memory and
 no values, and FSDP2's collectives move nothing. So the plan reads no weights and needs no GPU.
 
-Copyable on its own: imports only the standard library and torch.
+Copyable on its own: imports only the standard library and torch. This runs as written, on a CPU:
 
-    policy, reference = build()  # sharded as in training, parameters on the meta device
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
 
-    def micro_batch(policy, reference, rows):  # forward and backward of one micro-batch
-        loss_of(policy, reference, rows.to(device)).backward()
+    import memory
 
-    # {micro-batch size: its host batch}: the peak of a step of each, and its parts
-    plan = plan_memory(policy, reference, micro_batch, {1: rows1, 2: rows2}, 2, device)
-    print(format_plan(plan, card_gb=80.0))
-    size = largest_fitting(plan, card_gb=80.0)  # ValueError if none fits
+    store = dist.HashStore()  # a world of one, in this process
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    with torch.device("meta"):  # parameters as shapes alone: the plan reads no weights
+        model = nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 512))
+    fully_shard(model)  # sharded as in training
 
-The plan counts tensors, as torch.cuda.max_memory_allocated does; what no tensor holds (the CUDA
-context, cuBLAS's workspace, NCCL's buffers, the caching allocator's fragmentation) is the stated
-RESERVED_GB. A micro-batch size fits when its peak plus RESERVED_GB is at most FITS of the card.
+    def micro_batch(model, rows):  # forward and backward of one micro-batch
+        model(rows).square().mean().backward()
+
+    # {micro-batch size: its batch}: the peak of a step of each, and its parts
+    rows = {size: torch.zeros(size, 256, 512) for size in (1, 2, 4)}
+    plan = memory.plan_memory(model, None, micro_batch, rows, 4, torch.device("cpu"))
+    print(memory.format_plan(plan, card_gb=80.0, size=4, title="memory plan:"))
+    print(memory.largest_fitting(plan, card_gb=80.0))  # ValueError if none fits
+    dist.destroy_process_group()
+
+The plan counts tensors, as torch.cuda.max_memory_allocated does (which also counts cuBLAS's
+workspaces: WORKSPACE_GB); what the caching allocator does not hold (the CUDA context, NCCL's
+buffers) and its fragmentation are the stated RESERVED_GB and FITS: a micro-batch size fits when
+its peak plus RESERVED_GB is at most FITS of the card.
 """
 
 import logging
+import math
 import os
 import sys
 import weakref
@@ -33,13 +48,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import fsdp
+from torch._dynamo import convert_frame
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # GB as peak_mem_gb, nvidia-smi and a card's name count them ("80GB"): 2^30 bytes.
 GB = 2**30
-# What a GPU holds besides tensors: the CUDA context with its kernels and cuBLAS's workspace, and
+# What a GPU holds besides the caching allocator's blocks: the CUDA context with its kernels, and
 # NCCL's buffers (several per communicator). Not measured here: an allowance, to be checked on GPUs
 # against torch.cuda.mem_get_info (bench/plan_gpu.sh).
 RESERVED_GB = 2.0
@@ -48,11 +64,13 @@ FITS = 0.9
 # How far a run's measured peak may be from its plan before the run warns: a share of it, or
 # WORKSPACE_GB where that is more.
 TOLERANCE = 0.1
-# cuBLAS's workspaces (tens of MB), which the caching allocator counts as it counts tensors.
+# cuBLAS's workspaces, one per stream that runs a matmul (32 MiB each on Hopper): torch takes them
+# from its caching allocator, so max_memory_allocated counts them, and the plan, of tensors, not.
 WORKSPACE_GB = 0.1
 # Where FSDP2's code lives: storages made or resized there are its gathered blocks and reductions.
-_FSDP_DIR = str(Path(fsdp.__file__).parent)
-_TORCH_DIR = str(Path(torch.__file__).parent)
+# Each a folder's path with its separator: torch's is not a prefix of torchvision's.
+_FSDP_DIR = os.path.join(str(Path(fsdp.__file__).parent), "")
+_TORCH_DIR = os.path.join(str(Path(torch.__file__).parent), "")
 _FSDP_PART = "gathered blocks and reductions (FSDP2)"
 MOMENTS = "AdamW's moments and steps"
 
@@ -128,42 +146,68 @@ def plan_memory(
     part}, naming storages that code in that file makes (say, the loss's: "output layer and
     loss"); FSDP2's own are its gathered blocks and reductions, what the step leaves in .grad the
     gradients, the rest activations."""
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    # An op without a fake kernel fails here rather than run its real one on zeros, on the GPU.
+    fake = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
     # A kernel that fails on fake tensors reaches the user as one line (below), not also as the
-    # traceback that fake tensors log.
-    logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
-    with fake:
+    # traceback that fake tensors log; the level is restored for the run's own errors.
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    # Each code object Dynamo has met: it meets one before it decides to skip it.
+    met = len(convert_frame.input_codes.seen)
+    try:
         for model in (policy, reference):
             if model is not None:
-                model.to_empty(device=device)
-    state = _state_parts(policy, reference)
-    plan = Plan(per_rank)
-    # Offloaded, the policy's shards, gradients and moments stay in host memory.
-    if offload:
-        plan.host = {k: state.pop(k) / GB for k in list(state) if k != "reference"}
-    trainable = [p for p in policy.parameters() if p.requires_grad]
-    for size, batch in rows.items():
-        syncs = [True]
-        if size < per_rank and unsharded_accumulation:
-            syncs = [False, True]
-        with fake, _Trace(parts_from or {}) as trace:
-            for sync in syncs:
-                policy.set_requires_gradient_sync(sync)
-                try:
-                    micro_batch(policy, batch)
-                except RuntimeError as e:
-                    # A kernel's fake version may refuse what its real one takes (transformers'
-                    # grouped experts take bf16 alone on fake tensors).
-                    raise ValueError(
-                        f"the memory plan cannot trace this step on fake tensors: {e}"
-                    ) from None
-            grads = {trace.ids.get(_key(_local(p.grad))) for p in trainable if p.grad is not None}
-            policy.zero_grad(set_to_none=True)
-        held = size < per_rank and not unsharded_accumulation
-        parts = {**state, **trace.peak(grads, held, offload)}
-        plan.parts[size] = {k: v / GB for k, v in parts.items()}
-        plan.peaks[size] = sum(parts.values()) / GB
-    return plan
+                # Pinned host memory has the bytes of any other, and fake tensors cannot be pinned.
+                _unpin(model)
+                with fake:
+                    model.to_empty(device=device)
+        state = _state_parts(policy, reference)
+        plan = Plan(per_rank)
+        # Offloaded, the policy's shards, gradients and moments stay in host memory.
+        if offload:
+            plan.host = {k: state.pop(k) / GB for k in list(state) if k != "reference"}
+        trainable = [p for p in policy.parameters() if p.requires_grad]
+        for size, batch in rows.items():
+            syncs = [True]
+            if size < per_rank and unsharded_accumulation:
+                syncs = [False, True]
+            with fake, _Trace(parts_from or {}) as trace:
+                for sync in syncs:
+                    policy.set_requires_gradient_sync(sync)
+                    try:
+                        micro_batch(policy, batch)
+                    except RuntimeError as e:
+                        # A kernel's fake version may refuse what its real one takes
+                        # (transformers' grouped experts take bf16 alone on fake tensors).
+                        raise ValueError(
+                            f"the memory plan cannot trace this step on fake tensors: {e}"
+                        ) from None
+                grads = {
+                    trace.ids.get(_key(_local(p.grad))) for p in trainable if p.grad is not None
+                }
+                policy.zero_grad(set_to_none=True)
+            held = size < per_rank and not unsharded_accumulation
+            parts = {**state, **trace.peak(grads, held, offload)}
+            plan.parts[size] = {k: v / GB for k, v in parts.items()}
+            plan.peaks[size] = sum(parts.values()) / GB
+        return plan
+    finally:
+        logger.setLevel(level)
+        # Dynamo skips for good the code of a compiled function it first meets under a dispatch
+        # mode (the trace's): the run's own would never compile. Forget what it met.
+        if len(convert_frame.input_codes.seen) != met:
+            torch._dynamo.reset()
+
+
+def _unpin(model: nn.Module) -> None:
+    """FSDP2's offloaded shards of `model` (on the meta device) set to be made in pageable host
+    memory, as on a CPU."""
+    for module in model.modules():
+        if isinstance(module, fsdp.FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            for param in group.fsdp_params if group else []:
+                param.pin_memory = False
 
 
 def choose(plan: Plan, config: PlanConfig, device: torch.device, micro) -> tuple[int, str]:
@@ -212,34 +256,55 @@ def largest_fitting(plan: Plan, card_gb: float | None) -> int:
 
 def format_plan(plan: Plan, card_gb: float | None, size: int, title: str) -> str:
     """The plan as a table: micro-batch `size`'s parts and peak (and the card's memory), then each
-    size's peak and whether it fits; under `title`."""
+    size's peak and, with a card, whether it fits; under `title`."""
     lines = [title]
     for part, gb in plan.parts[size].items():
         lines.append(f"  {part:<44} {gb:9.3f} GB")
     lines += [f"  {part + ', in host memory':<44} {gb:9.3f} GB" for part, gb in plan.host.items()]
-    card = "no card given (--gpu-memory)"
+    card = "(no card: --gpu-memory GB tells which sizes fit)"
     if card_gb is not None:
         card = f"of a {card_gb:.1f} GB card, {FITS:.0%} usable, {RESERVED_GB:g} GB reserved"
     lines.append(f"  {f'peak at micro-batch {size}':<44} {plan.peaks[size]:9.3f} GB {card}")
-    lines.append("  micro-batch   peak GB   fits")
+    lines.append("  micro-batch   peak GB" + ("   fits" if card_gb is not None else ""))
     for s, peak in plan.peaks.items():
-        verdict = "yes" if fits(peak, card_gb) else "no"
+        verdict = ""
+        if card_gb is not None:
+            verdict = "   yes" if fits(peak, card_gb) else "   no"
         if plan.per_rank % s:
             verdict += f" (does not divide {plan.per_rank} rows per GPU)"
-        lines.append(f"  {s:>11} {peak:9.3f}   {verdict}")
+        lines.append(f"  {s:>11} {peak:9.3f}{verdict}")
     return "\n".join(lines)
 
 
-def fullest_rank_gb(plan: Plan, size: int, new_run: bool, device: torch.device) -> float:
-    """The largest over the ranks (a collective on `device`: nccl takes no CPU tensor) of each
-    rank's planned peak at micro-batch `size`, for a first step: in a new run, without AdamW's
-    moments, which the step's update makes."""
-    peak = plan.peaks[size]
-    if new_run:
-        peak -= plan.parts[size].get(MOMENTS, 0.0)
+def fullest_rank_gb(plan_step, size: int, new_run: bool, device: torch.device) -> float | None:
+    """The largest over the ranks of each rank's planned peak of its first step at micro-batch
+    `size` (plan_step(): that rank's Plan): in a new run without AdamW's moments, which the step's
+    update makes. A check is not the run: where plan_step fails on any rank, that rank says why,
+    and every rank gets None, through the one collective they all make (on `device`: nccl takes
+    no CPU tensor), so that none waits and training goes on."""
+    try:
+        plan = plan_step()
+        peak = plan.peaks[size]
+        if new_run:
+            peak -= plan.parts[size].get(MOMENTS, 0.0)
+    except Exception as e:
+        _warn(f"memory check skipped on rank {dist.get_rank()}: {type(e).__name__}: {e}")
+        peak = math.inf
     planned = torch.tensor(peak, device=device)
     dist.all_reduce(planned, op=dist.ReduceOp.MAX)
-    return planned.item()
+    fullest = planned.item()
+    if fullest < math.inf:
+        return fullest
+    if peak < math.inf and dist.get_rank() == 0:
+        _warn(
+            "memory check skipped: another rank could not plan its first step (its line says why)"
+        )
+    return None
+
+
+def _warn(message: str) -> None:
+    """A warning line on this rank's stderr."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def check_line(planned_gb: float, measured_gb: float) -> str:
@@ -366,16 +431,18 @@ class _Trace(TorchDispatchMode):
 
     def _part(self) -> str:
         """The part a storage made now belongs to, by the code making it: the innermost frame on the
-        Python stack in FSDP2's files, or outside torch's; that frame's file in parts_from names
-        its part, any other file's are activations (the model's code, or backward's)."""
-        frame = sys._getframe(3)
-        while frame is not None and not frame.f_code.co_filename.startswith(_FSDP_DIR):
-            if not frame.f_code.co_filename.startswith(_TORCH_DIR):
-                return self.parts_from.get(frame.f_code.co_filename, "activations")
+        Python stack (below this file's own) in FSDP2's files, or outside torch's; that frame's
+        file in parts_from names its part, any other file's are activations (the model's code, or
+        backward's)."""
+        frame = sys._getframe(1)
+        while frame is not None:
+            name = frame.f_code.co_filename
+            if name.startswith(_FSDP_DIR):
+                return _FSDP_PART
+            if name != __file__ and not name.startswith(_TORCH_DIR):
+                return self.parts_from.get(name, "activations")
             frame = frame.f_back
-        if frame is None:
-            return "activations"
-        return _FSDP_PART
+        return "activations"
 
     def peak(self, gradients: set, held: bool, offload: bool) -> dict[str, int]:
         """Bytes by part at the peak of the events' running sum. `gradients`: the ids of the
@@ -390,7 +457,7 @@ class _Trace(TorchDispatchMode):
         if held and not offload:
             kept = sum(sizes.values())
         now = best = kept
-        end = 0
+        end = made = 0
         for n, (storage_id, change, _) in enumerate(self.events):
             grad = storage_id in sizes
             if grad and (offload or (held and change < 0)):
@@ -398,19 +465,24 @@ class _Trace(TorchDispatchMode):
             now += change
             if now > best:
                 best, end = now, n + 1
+                # A reduction's result made at the peak, to be added into its held gradient.
+                made = change if grad and held else 0
             if grad and held:
                 now -= change
-        # What is alive at the peak, by the part it was made as; gradients as counted above, and
-        # a reduction's result made at the peak as FSDP2's.
+        # What is alive at the peak, by the part it was made as; gradients as counted above.
         live = {}
         for storage_id, change, part in self.events[:end]:
             size, made_as = live.get(storage_id, (0, part))
             live[storage_id] = (size + change, made_as)
-        parts = {_FSDP_PART: 0, "gradients": kept}
+        parts = {_FSDP_PART: made, "gradients": kept}
         for storage_id, (size, made_as) in live.items():
             if storage_id in sizes and not held and not offload:
                 parts["gradients"] += size
             elif storage_id not in sizes:
                 parts[made_as] = parts.get(made_as, 0) + size
-        parts[_FSDP_PART] += best - sum(parts.values())
+        if sum(parts.values()) != best:
+            raise RuntimeError(
+                f"the memory plan's parts add up to {sum(parts.values())} bytes, not to its peak's "
+                f"{best}: a storage it did not follow"
+            )
         return {k: v for k, v in parts.items() if v}

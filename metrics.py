@@ -256,6 +256,12 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """From now on, peak_memory_gb counts on a GPU (on a CPU, max RSS cannot be reset)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def host_memory_by_rank_gb(device: torch.device) -> list[float]:
     """Every rank's peak host memory (max RSS) in GB; a collective on `device` (nccl-only groups
     take no CPU tensor)."""

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import io
 import json
+import logging
 import math
 import os
 import random
@@ -6931,7 +6932,9 @@ def test_the_plan_counts_the_shards_by_hand_and_its_parts_add_up(tmp_path, capsy
         for size, parts in plan.parts.items():
             assert sum(parts.values()) == pytest.approx(plan.peaks[size], rel=1e-12)
         assert f"memory plan for each GPU, of {gpus}:" in err
-        assert f"peak at micro-batch {16 // gpus}" in err and "no card given" in err
+        # No card: no fits column, and the flag that gives one.
+        assert f"peak at micro-batch {16 // gpus}" in err and "--gpu-memory GB tells" in err
+        assert "micro-batch   peak GB\n" in err and "fits" not in err
     assert not (tmp_path / "plan").exists()
     # Twice the GPUs, half the shards (every weight's rows divide by 4).
     for part in STATE[:2]:
@@ -7040,3 +7043,78 @@ def test_auto_takes_the_largest_micro_batch_the_card_fits_and_bad_plans_say_why(
             _plan(tmp_path, capsys, *args)
         err = capsys.readouterr().err.strip().splitlines()
         assert exit_info.value.code == 2 and err[-1].startswith(f"error: {message}"), err
+
+
+def _compiled_graphs(tmp_path, name, *args, plan_first=False):
+    """A --compile run of one step in this process, its blocks compiled by Dynamo alone (the eager
+    backend: no kernels to build): the graphs Dynamo captured. plan_first: as on a GPU, the first
+    step is planned (train_dpo.plan_first_step) after setup, before it trains."""
+    from torch._dynamo.utils import counters
+
+    real_compile = torch.nn.Module.compile
+    real_setup = train_dpo.setup
+    planned = []
+
+    def compile_eagerly(self, *args, **kwargs):
+        return real_compile(self, *args, **{**kwargs, "backend": "eager"})
+
+    def setup(cfg, device, stand_in=None):
+        out = real_setup(cfg, device, stand_in)
+        config = models.load_model_config(cfg.model, out[0].tokenizer, cfg.dataset.max_length)
+        planned.append(train_dpo.plan_first_step(out[0], config))
+        return out
+
+    torch._dynamo.reset()
+    counters.clear()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(torch.nn.Module, "compile", compile_eagerly)
+        if plan_first:
+            monkeypatch.setattr(train_dpo, "setup", setup)
+        run(tmp_path, name, "--compile", "--batch-size", "4", "--max-steps", "1", *args)
+    graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert not plan_first or planned[0] > 0, planned
+    return graphs
+
+
+def test_a_planned_run_compiles_its_blocks_as_an_unplanned_one(tmp_path, capsys):
+    """--compile with the micro-batch size given, with --micro-batch-size auto (the plan traced
+    before the run's models are built), and planned at its first step as a GPU run is (after
+    they are built, before they compile): Dynamo captures as many graphs in each. A model traced
+    under the plan's dispatch mode with its blocks compiled would have Dynamo skip their code
+    from then on, the run's blocks' too: no graphs."""
+    given = _compiled_graphs(tmp_path, "given", "--micro-batch-size", "4")
+    auto = _compiled_graphs(tmp_path, "auto", "--micro-batch-size", "auto", "--gpu-memory", "1000")
+    assert "peak at micro-batch 4 " in capsys.readouterr().err
+    first = _compiled_graphs(tmp_path, "first", "--micro-batch-size", "4", plan_first=True)
+    assert given > 0 and auto == given == first, (given, auto, first)
+
+
+def test_an_offloaded_plan_pins_nothing_where_a_gpu_run_pins_and_leaves_logging_as_it_was(
+    tmp_path, capsys
+):
+    """--plan --cpu-offload with the offload policy a GPU run's models have (host memory pinned;
+    fake tensors cannot be pinned): the plan pins nothing, which changes no byte count, and lists
+    the policy's shards and AdamW's moments in host memory, the GPU's peak without them nor the
+    gradients. The fake-tensor logger's level it lowers while it traces is restored."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    pinned = []
+
+    def pinning(pin_memory):  # apply_fsdp's policy, as on a GPU
+        pinned.append(pin_memory)
+        return CPUOffloadPolicy(pin_memory=True)
+
+    plain, _ = _plan(tmp_path, capsys, "--plan-gpus", "2")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(fsdp_setup, "CPUOffloadPolicy", pinning)
+        offload, err = _plan(tmp_path, capsys, "--plan-gpus", "2", "--cpu-offload")
+    assert pinned and logger.level == level
+    host = {STATE[0], STATE[2]}
+    assert set(offload.host) == host and not host & set(offload.parts[8])
+    for part in host:
+        assert offload.host[part] == plain.parts[8][part]
+    assert "gradients" not in offload.parts[8] and "in host memory" in err
+    assert offload.parts[8]["activations"] == plain.parts[8]["activations"]

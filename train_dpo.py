@@ -196,6 +196,8 @@ def train(
         # The baseline: where the samples and the curves start.
         evaluate_and_sample(run, log, 0, t0)
 
+    # The first step's measured peak is its own, not loading's, --ref precompute's or evaluation's.
+    metrics.reset_peak_memory(run.device)
     for step in range(run.start_step, run.steps.total_steps):
         step_t0 = time.perf_counter()
         done = step + 1
@@ -626,14 +628,18 @@ def plan_memory(
         )
 
 
-def plan_first_step(run: Run, model_config) -> float:
+def plan_first_step(run: Run, model_config) -> float | None:
     """GB: the plan of this run's first step on its fullest GPU, to check against the step's
     measured peak: on each rank, of its longest rows of the step as one micro-batch of the run's
-    size (so an upper bound where the step's micro-batches differ in length)."""
-    mine = batches.rank_share(run.steps(run.start_step), dist.get_rank(), dist.get_world_size())
-    plan = plan_memory(run.cfg, run.device, run.precision, model_config, run.train, mine)
+    size (so an upper bound where the step's micro-batches differ in length). None where any rank
+    could not plan it (memory.fullest_rank_gb warns): the check is skipped, the run goes on."""
+
+    def plan_step():
+        mine = batches.rank_share(run.steps(run.start_step), dist.get_rank(), dist.get_world_size())
+        return plan_memory(run.cfg, run.device, run.precision, model_config, run.train, mine)
+
     return memory.fullest_rank_gb(
-        plan, run.cfg.batching.micro_batch_size, run.start_step == 0, run.device
+        plan_step, run.cfg.batching.micro_batch_size, run.start_step == 0, run.device
     )
 
 
