@@ -343,16 +343,22 @@ class _TokenLogps(torch.autograd.Function):
             end = min(i + chunk, n)
             # The chunk's (end - i, V) logits: x's rows, or those rows through the output layer.
             rows = x[i:end] if index is None else x[index[i:end]]
-            if weight is not None:
-                logits = _product(rows, weight.T).float()
-            elif index is None:
-                # A copy of its own: the log-sum-exp works in it, and x must stay as it was.
-                logits = rows.to(torch.float32, copy=True)
-            else:
-                logits = rows.float()
+            # A copy of x's rows of its own: the log-sum-exp below works in it.
+            logits = (
+                rows.to(torch.float32, copy=True)
+                if weight is None
+                else _product(rows, weight.T).float()
+            )
             out[i:end] = logits.gather(-1, targets[i:end, None]).squeeze(-1)
-            lse[i:end] = _logsumexp_(logits, out[n + i : n + end] if squares else None)
+            top = logits.amax(-1, keepdim=True)  # (end - i, 1)
+            # In place, exp(logits - top): torch's logsumexp would make that (end - i, V) float32
+            # tensor inside itself, a second one beside the logits.
+            total = logits.sub_(top).exp_().sum(-1)
+            lse[i:end] = total.log() + top.squeeze(-1)
             out[i:end] -= lse[i:end]
+            if squares:
+                # log sum_v p(v)^2 = log sum_v exp(2 (logits - top)) - 2 log sum_v exp(logits - top)
+                out[n + i : n + end] = logits.square_().sum(-1).log_() - 2 * total.log()
         ctx.save_for_backward(x, index, targets, weight, lse)
         return out
 
@@ -373,19 +379,6 @@ class _TokenLogps(torch.autograd.Function):
             d = x[rows].float().sub(lse[i : i + chunk, None]).exp_().mul_(-g)
             grad_x[rows] = d.scatter_add_(-1, targets[i : i + chunk, None], g).to(x.dtype)
         return grad_x, None, None, None, None
-
-
-def _logsumexp_(logits: torch.Tensor, squares: torch.Tensor | None = None) -> torch.Tensor:
-    """logits.logsumexp(-1), (rows,), computed in `logits` (rows, V), which it overwrites with
-    exp(logits - max): torch's logsumexp makes that (rows, V) float32 tensor inside itself, a
-    second one beside the logits. squares: filled with each row's log sum_v p(v)^2 =
-    log sum_v exp(2 (logits - max)) - 2 log sum_v exp(logits - max) (WPO's)."""
-    top = logits.amax(-1)
-    exp = logits.sub_(top[:, None]).exp_()
-    total = exp.sum(-1)
-    if squares is not None:
-        squares.copy_(exp.square_().sum(-1).log_() - 2 * total.log())
-    return total.log_().add_(top)
 
 
 def _head_backward(x, targets, weight, lse, grad, weight_grad: bool):

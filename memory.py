@@ -23,8 +23,8 @@ Copyable on its own: imports only the standard library and torch. This runs as w
     def micro_batch(model, rows):  # forward and backward of one micro-batch
         model(rows).square().mean().backward()
 
-    # {micro-batch size: its batch}: the peak of a step of each, and its parts
-    rows = {size: torch.zeros(size, 256, 512) for size in (1, 2, 4)}
+    # {micro-batch size: its batch}, of rows of 256 tokens: a step's peak at each, and its parts
+    rows = {size: torch.zeros(size * 256, 512) for size in (1, 2, 4)}
     plan = memory.plan_memory(model, None, micro_batch, rows, 4, torch.device("cpu"))
     print(memory.format_plan(plan, card_gb=80.0, size=4, title="memory plan:"))
     print(memory.largest_fitting(plan, card_gb=80.0))  # ValueError if none fits
@@ -276,19 +276,24 @@ def format_plan(plan: Plan, card_gb: float | None, size: int, title: str) -> str
     return "\n".join(lines)
 
 
-def fullest_rank_gb(plan_step, size: int, new_run: bool, device: torch.device) -> float | None:
+def fullest_rank_gb(
+    size: int, new_run: bool, device: torch.device, plan_step, *args
+) -> float | None:
     """The largest over the ranks of each rank's planned peak of its first step at micro-batch
-    `size` (plan_step(): that rank's Plan): in a new run without AdamW's moments, which the step's
-    update makes. A check is not the run: where plan_step fails on any rank, that rank says why,
-    and every rank gets None, through the one collective they all make (on `device`: nccl takes
-    no CPU tensor), so that none waits and training goes on."""
+    `size` (plan_step(*args): that rank's Plan): in a new run without AdamW's moments, which the
+    step's update makes. A check is not the run: where plan_step fails on any rank, that rank says
+    why, and every rank gets None, through the one collective they all make (on `device`: nccl
+    takes no CPU tensor), so that none waits and training goes on."""
     try:
-        plan = plan_step()
+        plan = plan_step(*args)
         peak = plan.peaks[size]
         if new_run:
             peak -= plan.parts[size].get(MOMENTS, 0.0)
     except Exception as e:
-        _warn(f"memory check skipped on rank {dist.get_rank()}: {type(e).__name__}: {e}")
+        print(
+            f"warning: memory check skipped on rank {dist.get_rank()}: {type(e).__name__}: {e}",
+            file=sys.stderr,
+        )
         peak = math.inf
     planned = torch.tensor(peak, device=device)
     dist.all_reduce(planned, op=dist.ReduceOp.MAX)
@@ -296,15 +301,12 @@ def fullest_rank_gb(plan_step, size: int, new_run: bool, device: torch.device) -
     if fullest < math.inf:
         return fullest
     if peak < math.inf and dist.get_rank() == 0:
-        _warn(
-            "memory check skipped: another rank could not plan its first step (its line says why)"
+        print(
+            "warning: memory check skipped: another rank could not plan its first step (its line "
+            "says why)",
+            file=sys.stderr,
         )
     return None
-
-
-def _warn(message: str) -> None:
-    """A warning line on this rank's stderr."""
-    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def check_line(planned_gb: float, measured_gb: float) -> str:
@@ -360,6 +362,23 @@ def _tensors(values: list):
             yield value
 
 
+def _kernel_buffers(func, args) -> int:
+    """Bytes that a GPU kernel makes for itself inside the op `func`, which no dispatch mode sees
+    (the caching allocator counts them): CUDA flash attention's backward (FlashAttention-2's
+    mha_bwd, as torch vendors it) accumulates the query's gradient in float32, (B, T, H, D) with T
+    rounded up to 128 and D to 32, beside the softmax's float32 (B, H, T) row sums, and with fewer
+    key than query heads (GQA) expands the key's and value's gradients to every head."""
+    if func is not torch.ops.aten._scaled_dot_product_flash_attention_backward.default:
+        return 0
+    query, key = args[1], args[2]  # (B, H, T, D), (B, H_kv, T_kv, D)
+    batch, heads, length, dim = query.shape
+    rounded = -(-length // 128) * 128
+    expanded = 2 * batch * heads * key.shape[2] * dim * key.element_size()
+    return 4 * batch * heads * rounded * (-(-dim // 32) * 32 + 1) + expanded * (
+        key.shape[1] != heads
+    )
+
+
 def _key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
@@ -406,6 +425,10 @@ class _Trace(TorchDispatchMode):
             # An op's output on an input's storage (a view, an in-place op) is no new memory.
             if _key(tensor) not in inputs:
                 self._record(tensor.untyped_storage())
+        # A kernel's own buffers, made and freed inside the op, beside its outputs.
+        buffers = _kernel_buffers(func, args)
+        if buffers:
+            self.events += [(-1, buffers, self._part()), (-1, -buffers, None)]
         return out
 
     def _record(self, storage) -> None:

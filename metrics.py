@@ -257,7 +257,7 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 def reset_peak_memory(device: torch.device) -> None:
-    """From now on, peak_memory_gb counts on a GPU (on a CPU, max RSS cannot be reset)."""
+    # On a CPU, peak_memory_gb's max RSS cannot be reset.
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 

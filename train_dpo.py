@@ -633,13 +633,13 @@ def plan_first_step(run: Run, model_config) -> float | None:
     measured peak: on each rank, of its longest rows of the step as one micro-batch of the run's
     size (so an upper bound where the step's micro-batches differ in length). None where any rank
     could not plan it (memory.fullest_rank_gb warns): the check is skipped, the run goes on."""
-
-    def plan_step():
-        mine = batches.rank_share(run.steps(run.start_step), dist.get_rank(), dist.get_world_size())
-        return plan_memory(run.cfg, run.device, run.precision, model_config, run.train, mine)
-
+    mine = batches.rank_share(run.steps(run.start_step), dist.get_rank(), dist.get_world_size())
     return memory.fullest_rank_gb(
-        plan_step, run.cfg.batching.micro_batch_size, run.start_step == 0, run.device
+        run.cfg.batching.micro_batch_size,
+        run.start_step == 0,
+        run.device,
+        plan_memory,
+        *(run.cfg, run.device, run.precision, model_config, run.train, mine),
     )
 
 

@@ -1,13 +1,20 @@
 """The memory plan against real training steps on this CPU, with the GPU's paths: the output layer
 fused into the loss (loss.fused_head), SDPA's kernels where the CPU has them. Each grid point trains
-3 steps of a run (its rows all of one shape, so that every micro-batch is the longest) and measures
-the third step's peak of live tensor bytes on each rank with torch's FSDPMemTracker: weights,
-gradients, optimizer state, activations and FSDP2's buffers, what torch.cuda.max_memory_allocated
-counts on a GPU (the reference's shards, which it does not see, added). The plan (train_dpo.py
---plan, the same flags) gives its peak for the run's micro-batch size. Prints a line per point and,
-at the end, the error's spread and how often the plan and the measure pick the same largest
-micro-batch size under a budget (same_choice).
+4 steps of a run (its rows all of one shape, so that every micro-batch is the longest) and measures
+on each rank, two ways:
+- the third step's peak of live tensor bytes with torch's FSDPMemTracker: weights, gradients,
+  optimizer state, activations and FSDP2's buffers (the reference's shards, which it does not see,
+  added). It sees tensors at the dispatcher, as the plan does;
+- the fourth step at the allocator, with memray: the peak of the live bytes that every malloc made
+  during the step (so also the buffers that kernels make for themselves inside one op, which a GPU's
+  caching allocator counts too), above what lived before it (the tensors a step keeps: shards and
+  AdamW's moments, counted from the run's own tensors). heap_gb is their sum.
+The plan (train_dpo.py --plan, the same flags) gives its peak for the run's micro-batch size, and
+its transient (the peak less what a step keeps), against the heap's. Prints a line per point and, at
+the end, the errors' spread and how often the plan and the heap pick the same largest micro-batch
+size under a budget (same_choice).
 
+    pip install memray  # this bench alone
     python bench/plan_check.py [RANKS] [FILTER]  # from the repo root; RANKS 1 (default) or 2, 4
 
 RANKS > 1 starts itself under torchrun (gloo); FILTER keeps the points whose name contains it.
@@ -32,6 +39,9 @@ OUT = os.path.join(tempfile.gettempdir(), "plan_check")
 MODELS = {  # hidden, intermediate, layers, heads, kv heads, vocabulary: random Llamas, byte tokens
     "tiny": None,
     "small": (256, 768, 4, 8, 4, 2048),
+    # Its output layer a real share of memory, as in the GPU's models: 52M parameters, a third of
+    # them in the (tied) embedding.
+    "vocab32k": (512, 1376, 8, 8, 8, 32000),
 }
 QWEN_MOE = dict(
     hidden_size=128,
@@ -137,6 +147,9 @@ POINTS = {
     "bf16": ("small", 256, 2, 2, ("--precision", "bf16")),
     "bf16-micro4": ("small", 512, 2, 4, ("--precision", "bf16")),
     "simpo": ("small", 256, 2, 2, ("--loss", "simpo")),
+    "vocab32k": ("vocab32k", 512, 2, 4, ()),
+    "vocab32k-bf16": ("vocab32k", 512, 2, 4, ("--precision", "bf16")),
+    "vocab32k-checkpointing": ("vocab32k", 512, 2, 4, ("--activation-checkpointing",)),
     **{name: (name, 256, 2, 2, ()) for name in ARCHITECTURES},
 }
 
@@ -154,8 +167,14 @@ def flags(point, ranks: int, out: str) -> list[str]:
     ]
 
 
-def measure(argv: list[str]) -> float:
-    """GB: the third step's peak of live tensor bytes on this rank, the output layer fused."""
+def measure(argv: list[str]) -> tuple[float, float, float]:
+    """GB, on this rank, the output layer fused: the third step's peak of live tensor bytes
+    (FSDPMemTracker), the fourth step's peak at the allocator above what lived before it (memray),
+    and what lived before it (the run's shards and optimizer state)."""
+    try:
+        import memray
+    except ImportError:
+        sys.exit("bench/plan_check.py measures at the allocator with memray: pip install memray")
     real_step = train_dpo.train_step
     real_logps = loss.response_logps
     peaks = []
@@ -165,6 +184,15 @@ def measure(argv: list[str]) -> float:
         if len(peaks) < 2:
             peaks.append(0.0)
             return real_step(run, optimizer, *args)
+        if len(peaks) == 3:
+            path = os.path.join(OUT, f"heap-{os.environ.get('RANK', 0)}.bin")
+            if os.path.exists(path):
+                os.remove(path)
+            with memray.Tracker(path):
+                stats = real_step(run, optimizer, *args)
+            peaks.append(memray.FileReader(path).metadata.peak_memory / memory.GB)
+            peaks.append(kept_bytes(run, optimizer) / memory.GB)
+            return stats
         tracker = FSDPMemTracker(run.policy, optimizer)
         if run.reference is not None and run.reference is not run.policy:
             tracker.track_external(run.reference)
@@ -192,15 +220,30 @@ def measure(argv: list[str]) -> float:
     loss.response_logps = response_logps
     try:
         with loss.fused_head():
-            train_dpo.main([*argv, "--max-steps", "3"])
+            train_dpo.main([*argv, "--max-steps", "4"])
     finally:
         train_dpo.train_step = real_step
         loss.response_logps = real_logps
-    return peaks[-1]
+    return peaks[2], peaks[3], peaks[4]
 
 
-def planned(argv: list[str], ranks: int) -> float:
-    """GB: the plan's peak for the run's micro-batch size."""
+def kept_bytes(run, optimizer) -> int:
+    """Bytes of the tensors that live between steps on this rank: the policy's and the reference's
+    shards, once each, and the optimizer's state."""
+    storages = {}
+    for model in (run.policy, run.reference):
+        for param in model.parameters() if model is not None else ():
+            storage = param.to_local().untyped_storage()
+            storages[storage._cdata] = storage.nbytes()
+    for state in optimizer.state.values():
+        for value in state.values():
+            storages[value.untyped_storage()._cdata] = value.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def planned(argv: list[str], ranks: int) -> tuple[float, float]:
+    """GB: the plan's peak for the run's micro-batch size, and its transient (less what a step
+    keeps: shards and AdamW's moments)."""
     real = memory.plan_memory
     plans = []
 
@@ -213,7 +256,14 @@ def planned(argv: list[str], ranks: int) -> float:
         train_dpo.main([*argv, "--plan", "--plan-gpus", str(ranks)])
     finally:
         memory.plan_memory = real
-    return plans[-1].peaks[int(argv[argv.index("--micro-batch-size") + 1])]
+    size = int(argv[argv.index("--micro-batch-size") + 1])
+    parts = plans[-1].parts[size]
+    kept = sum(gb for part, gb in parts.items() if part in KEPT)
+    return plans[-1].peaks[size], plans[-1].peaks[size] - kept
+
+
+# The plan's parts that live between steps.
+KEPT = ("weights trained (float32 masters)", "frozen weights", "reference", memory.MOMENTS)
 
 
 def main() -> None:
@@ -231,34 +281,47 @@ def main() -> None:
     torch.set_num_threads(1 if ranks > 1 else torch.get_num_threads())
     rank = int(os.environ.get("RANK", 0))
     errors = []
+    transients = []
     # (model, length, K, flags) -> {micro-batch: (plan, measured)}: the points of one run's
     # settings at several micro-batch sizes, for the choice of the largest that fits.
     families = {}
     for name in names:
         out = os.path.join(OUT, f"run-{name}-{ranks}")
         argv = flags(POINTS[name], ranks, out)
-        got = measure(argv)
-        rows = [torch.tensor([got])]
+        got = torch.tensor(measure(argv))
+        rows = [got]
         if ranks > 1:
             import torch.distributed as dist
 
             # A group of its own keys in torchrun's store, as every run's (fsdp_setup).
             fsdp_setup.init_distributed("cpu")
-            rows = [torch.zeros(1) for _ in range(ranks)]
-            dist.all_gather(rows, torch.tensor([got]))
+            rows = [torch.zeros(3) for _ in range(ranks)]
+            dist.all_gather(rows, got)
             dist.destroy_process_group()
         # Every rank plans, as every rank trains: their calls to fsdp_setup.on_rank0 stay in step.
-        plan = planned(argv, ranks)
+        plan, transient = planned(argv, ranks)
         if rank == 0:
-            worst = max(float(r) for r in rows)
-            errors.append((plan - worst) / worst)
+            # The fullest rank's: by the tracker, and by the heap (what it kept, and its step's).
+            worst = max(float(r[0]) for r in rows)
+            fullest = max(rows, key=lambda r: float(r[1] + r[2]))
+            heap, heap_transient = float(fullest[1] + fullest[2]), float(fullest[1])
+            errors.append((plan - heap) / heap)
+            transients.append((transient - heap_transient) / heap_transient)
             model, length, k, micro, extra = POINTS[name]
-            families.setdefault((model, length, k, extra), {})[micro] = (plan, worst)
+            families.setdefault((model, length, k, extra), {})[micro] = (plan, heap)
             line = {"point": name, "ranks": ranks, "plan_gb": round(plan, 4)}
-            line |= {"measured_gb": round(worst, 4), "error": round(errors[-1], 4)}
+            line |= {
+                "tracker_gb": round(worst, 4),
+                "tracker_error": round((plan - worst) / worst, 4),
+            }
+            line |= {"heap_gb": round(heap, 4), "error": round(errors[-1], 4)}
+            line |= {"plan_transient_gb": round(transient, 4)}
+            line |= {"heap_transient_gb": round(heap_transient, 4)}
+            line |= {"transient_error": round(transients[-1], 4)}
             print(json.dumps(line), flush=True)
     if rank == 0 and errors:
         errors.sort()
+        transients.sort()
         print(
             json.dumps(
                 {
@@ -266,6 +329,8 @@ def main() -> None:
                     "median_abs_error": sorted(abs(e) for e in errors)[len(errors) // 2],
                     "min_error": errors[0],
                     "max_error": errors[-1],
+                    "min_transient_error": transients[0],
+                    "max_transient_error": transients[-1],
                     "same_largest_fitting": same_choice(families),
                 }
             )
