@@ -5375,10 +5375,10 @@ def _end_of_line_comments_and_code_lines(source: str) -> tuple[int, int]:
 def test_house_style_that_the_linter_does_not_check():
     """ruff (in .ci/run) checks the layout, line length and lambdas assigned to plain names; this
     checks the rest of the house style. Size counts Python AST statements (a docstring is one;
-    blank lines, comments and the formatter's line breaks are free): train_dpo.py at most 340, all
-    non-test code at most 3,150. At most 5 end-of-line comments per 100 code lines in every file;
-    no lambda assigned to a name or attribute, no nested conditional expression, no issue numbers
-    in code."""
+    blank lines, comments and the formatter's line breaks are free): train_dpo.py at most 345, all
+    non-test code at most 3,250 (DEVELOPERS.md). At most 5 end-of-line comments per 100 code lines
+    in every file; no lambda assigned to a name or attribute, no nested conditional expression, no
+    issue numbers in code."""
     files = [f for f in os.listdir(HERE) if f.endswith(".py")]
     statements = {}
     for name in files:
@@ -5397,8 +5397,8 @@ def test_house_style_that_the_linter_does_not_check():
             if isinstance(node, (ast.Assign, ast.AnnAssign)):
                 assert not isinstance(node.value, ast.Lambda), f"{name}:{node.lineno}: a lambda"
     del statements["test_dpo.py"]
-    assert statements["train_dpo.py"] <= 340, statements
-    assert sum(statements.values()) <= 3150, statements
+    assert statements["train_dpo.py"] <= 345, statements
+    assert sum(statements.values()) <= 3250, statements
 
 
 # ------------------------------------------------------------------ K scored responses per prompt
@@ -7133,7 +7133,10 @@ def _compiled_graphs(tmp_path, name, *args, plan_first=False):
         monkeypatch.setattr(torch.nn.Module, "compile", compile_eagerly)
         if plan_first:
             monkeypatch.setattr(train_dpo, "setup", setup)
-        run(tmp_path, name, "--compile", "--batch-size", "4", "--max-steps", "1", *args)
+        # Rows of their own and no held-out set: no evaluation's graphs to capture as well.
+        rows = [{"prompt": "p" * 16, "chosen": "a" * 15, "rejected": "b" * 15}] * 4
+        data = ("--data", _write_jsonl(tmp_path / f"{name}.jsonl", rows), "--max-length", "32")
+        run(tmp_path, name, *data, "--compile", "--batch-size", "4", "--max-steps", "1", *args)
     graphs = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
     assert not plan_first or planned[0] > 0, planned
