@@ -373,10 +373,10 @@ def _kernel_buffers(func, args) -> int:
     query, key = args[1], args[2]  # (B, H, T, D), (B, H_kv, T_kv, D)
     batch, heads, length, dim = query.shape
     rounded = -(-length // 128) * 128
-    expanded = 2 * batch * heads * key.shape[2] * dim * key.element_size()
-    return 4 * batch * heads * rounded * (-(-dim // 32) * 32 + 1) + expanded * (
-        key.shape[1] != heads
-    )
+    buffers = 4 * batch * heads * rounded * (-(-dim // 32) * 32 + 1)
+    if key.shape[1] != heads:
+        buffers += 2 * batch * heads * key.shape[2] * dim * key.element_size()
+    return buffers
 
 
 def _key(tensor: torch.Tensor) -> int:

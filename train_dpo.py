@@ -639,7 +639,12 @@ def plan_first_step(run: Run, model_config) -> float | None:
         run.start_step == 0,
         run.device,
         plan_memory,
-        *(run.cfg, run.device, run.precision, model_config, run.train, mine),
+        run.cfg,
+        run.device,
+        run.precision,
+        model_config,
+        run.train,
+        mine,
     )
 
 
