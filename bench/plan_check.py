@@ -29,6 +29,7 @@ import tempfile
 sys.path.insert(0, ".")
 import torch  # noqa: E402
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 import fsdp_setup  # noqa: E402
 import loss  # noqa: E402
@@ -237,7 +238,10 @@ def kept_bytes(run, optimizer) -> int:
             storages[storage._cdata] = storage.nbytes()
     for state in optimizer.state.values():
         for value in state.values():
-            storages[value.untyped_storage()._cdata] = value.untyped_storage().nbytes()
+            # AdamW's moments are DTensors, like the weights: this rank's shard.
+            local = value.to_local() if isinstance(value, DTensor) else value
+            storage = local.untyped_storage()
+            storages[storage._cdata] = storage.nbytes()
     return sum(storages.values())
 
 
