@@ -6972,13 +6972,21 @@ def _plan(tmp_path, capsys, *args):
 STATE = ("weights trained (float32 masters)", "reference", "AdamW's moments and steps")
 
 
-def test_the_plan_counts_the_shards_by_hand_and_its_parts_add_up(tmp_path, capsys):
+def test_the_plan_counts_the_shards_by_hand_its_parts_add_up_and_offloaded_it_pins_nothing(
+    tmp_path, capsys
+):
     """--plan on 2 and 4 fake GPUs, the tiny model in float32 (the CPU's precision): its weights,
     reference and AdamW moments are 4, 4 and 8 bytes per parameter over the GPUs (and a step count
     per tensor); the parts of each size's peak add up to it; doubling the GPUs halves the shards;
     a micro-batch twice as large, with as many micro-batches of it held as gradients, changes the
     activations and the output layer's part alone; --ref precompute drops the reference and
-    nothing else that a step keeps. No weights are read: the run's folder is never made."""
+    nothing else that a step keeps. No weights are read: the run's folder is never made.
+    --cpu-offload with the offload policy a GPU run's models have (host memory pinned; fake
+    tensors cannot be pinned): the plan pins nothing, which changes no byte count, and lists the
+    policy's shards and AdamW's moments in host memory, the GPU's peak without them nor the
+    gradients. The fake-tensor logger's level that the plan lowers while it traces is restored."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
     model, _ = tiny(seed=0)
     n = sum(p.numel() for p in model.parameters())
     tensors = len(list(model.parameters()))
@@ -7012,6 +7020,25 @@ def test_the_plan_counts_the_shards_by_hand_and_its_parts_add_up(tmp_path, capsy
     kept = {k: v for k, v in plans[4].parts[1].items() if k in STATE and k != "reference"}
     assert "reference" not in precomputed.parts[1]
     assert {k: v for k, v in precomputed.parts[1].items() if k in STATE} == kept
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    pinned = []
+
+    def pinning(pin_memory):  # apply_fsdp's policy, as on a GPU
+        pinned.append(pin_memory)
+        return CPUOffloadPolicy(pin_memory=True)
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(fsdp_setup, "CPUOffloadPolicy", pinning)
+        offload, err = _plan(tmp_path, capsys, "--plan-gpus", "2", "--cpu-offload")
+    assert pinned and logger.level == level
+    host = {STATE[0], STATE[2]}
+    assert set(offload.host) == host and not host & set(offload.parts[8])
+    for part in host:
+        assert offload.host[part] == plans[2].parts[8][part]
+    assert "gradients" not in offload.parts[8] and "in host memory" in err
+    assert offload.parts[8]["activations"] == plans[2].parts[8]["activations"]
 
 
 def test_the_plan_of_a_step_matches_the_step_measured_with_torchs_tracker(tmp_path, capsys):
@@ -7154,36 +7181,6 @@ def test_a_planned_run_compiles_its_blocks_as_an_unplanned_one(tmp_path, capsys)
     planned = _compiled_graphs(tmp_path, "planned", *auto, plan_first=True)
     assert "peak at micro-batch 4 " in capsys.readouterr().err
     assert given > 0 and planned == given, (given, planned)
-
-
-def test_an_offloaded_plan_pins_nothing_where_a_gpu_run_pins_and_leaves_logging_as_it_was(
-    tmp_path, capsys
-):
-    """--plan --cpu-offload with the offload policy a GPU run's models have (host memory pinned;
-    fake tensors cannot be pinned): the plan pins nothing, which changes no byte count, and lists
-    the policy's shards and AdamW's moments in host memory, the GPU's peak without them nor the
-    gradients. The fake-tensor logger's level it lowers while it traces is restored."""
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    pinned = []
-
-    def pinning(pin_memory):  # apply_fsdp's policy, as on a GPU
-        pinned.append(pin_memory)
-        return CPUOffloadPolicy(pin_memory=True)
-
-    plain, _ = _plan(tmp_path, capsys, "--plan-gpus", "2")
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setattr(fsdp_setup, "CPUOffloadPolicy", pinning)
-        offload, err = _plan(tmp_path, capsys, "--plan-gpus", "2", "--cpu-offload")
-    assert pinned and logger.level == level
-    host = {STATE[0], STATE[2]}
-    assert set(offload.host) == host and not host & set(offload.parts[8])
-    for part in host:
-        assert offload.host[part] == plain.parts[8][part]
-    assert "gradients" not in offload.parts[8] and "in host memory" in err
-    assert offload.parts[8]["activations"] == plain.parts[8]["activations"]
 
 
 def test_the_plan_counts_the_buffers_cuda_flash_attentions_backward_makes_inside_itself():
