@@ -343,9 +343,10 @@ class _TokenLogps(torch.autograd.Function):
             end = min(i + chunk, n)
             # The chunk's (end - i, V) logits: x's rows, or those rows through the output layer.
             rows = x[i:end] if index is None else x[index[i:end]]
-            # A copy of x's rows of its own: the log-sum-exp below works in it.
+            # The chunk's float32 logits in a tensor of their own, which the log-sum-exp below works
+            # in: a copy of x's rows only where they are still x's (x[index] is a copy already).
             logits = (
-                rows.to(torch.float32, copy=True)
+                rows.to(torch.float32, copy=index is None)
                 if weight is None
                 else _product(rows, weight.T).float()
             )
