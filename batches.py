@@ -67,7 +67,11 @@ class BatchConfig:
         """This config with --micro-batch-size's default for `world_size` ranks (ValueError unless
         they split evenly; auto is kept, for the caller to choose), and --share-prompt only where
         the model and loss can (`shares_prompt`)."""
-        micro = self.micro_batch_size or self.batch_size // world_size
+        micro = (
+            self.batch_size // world_size
+            if self.micro_batch_size is None
+            else self.micro_batch_size
+        )
         # auto divides the rows each rank takes: that many must be whole.
         whole = 1 if micro == "auto" else micro
         if whole < 1 or self.batch_size % (whole * world_size):

@@ -54,7 +54,8 @@ class CheckpointConfig:
     keep_last: int = 0
     """Keep only the newest K checkpoints; 0 keeps all."""
     resume: str | None = None
-    """Resume from a checkpoint folder, or "latest" for {out_dir}/checkpoints/latest."""
+    """Resume from a checkpoint folder, or "latest" for {out_dir}/checkpoints/latest. Default: a
+    new run."""
     async_save: bool = False
     """Write checkpoints in a background thread: training waits only while the shards are copied to
     host memory (one more copy of them). `latest` moves once the write is complete; a stop, the end
@@ -202,9 +203,12 @@ def resume_state(root: str, spec: str | None, current: dict, fixed: dict[str, st
     """--resume `spec` (see find_checkpoint): the checkpoint's trainer state with its "path", once
     check_same_run finds `current` (JSON-able, compared as it would be saved) the same run in
     every `fixed` setting. None (no --resume): a new run, None, refused where `root` holds another
-    run's checkpoints, which it would mix with its own, or where its folder is a file."""
-    if os.path.isfile(os.path.dirname(root)):
-        raise ValueError(f"{os.path.dirname(root)} is a file: a run writes a folder there")
+    run's checkpoints, which it would mix with its own. Either way refused where the nearest folder
+    above `root` that exists is a file or one this process cannot write in, before any work."""
+    folder = os.path.abspath(os.path.dirname(root))
+    existing = next(p for p in (folder, *pathlib.Path(folder).parents) if os.path.exists(p))
+    if not (os.path.isdir(existing) and os.access(existing, os.W_OK)):
+        raise ValueError(f"{os.path.dirname(root)}: a run cannot make its folder in {existing}")
     if spec is None and os.path.isfile(os.path.join(root, "latest")):
         raise ValueError(
             f"{root} holds a run's checkpoints: continue that run with --resume latest, or give "

@@ -27,7 +27,7 @@ from typing import Literal
 import torch
 import transformers
 
-_CACHE_VERSION = 4  # bump when tokenization changes, so old caches are not reused
+_CACHE_VERSION = 5  # bump when tokenization changes, so old caches are not reused
 _HH_MARKER = "\n\nAssistant:"
 _SPACE = re.compile(r"\s*")
 _DECODER = json.JSONDecoder()
@@ -55,6 +55,16 @@ _K_SHAPES = (
     # berkeley-nest/Nectar: rank 1 is the best; prompts are Anthropic HH text, the template given.
     ("prompt", "answers", "answer", "rank", -1, False),
 )
+# Why rows are dropped, by their count in tokenize_rows' summary, for the error when none is left.
+_DROPPED = {
+    "dropped_unscored": "with a score missing or not a finite number",
+    "dropped_tied": "whose scores are all equal",
+    "dropped_empty": "with fewer than two scores left once empty responses go",
+    "dropped_identical": "whose responses were identical token for token",
+    "identical_after_truncation": "of these only once cut to --max-length {max_length}, the prompt "
+    "to at most {prompt_limit} tokens (--max-prompt-length): raise --max-length, or lower "
+    "--max-prompt-length to leave the responses more room",
+}
 # The chat templates --chat-template names, for tokenizers without one (base models).
 _CHAT_TEMPLATES = {
     "chatml": (
@@ -69,12 +79,13 @@ _CHAT_TEMPLATES = {
 @dataclass
 class DataConfig:
     data: tuple[str, ...] = ()
-    """Training pairs: .jsonl/.json files, hub:NAME[:SPLIT] or hub:NAME:CONFIG:SPLIT (needs the
-    datasets package); none: the built-in demo (demo:sft: its reviews with coin-flip labels, for an
-    SFT stage). Repeat the flag or separate with commas."""
+    """Training rows: preference pairs, or K scored responses per prompt (generate.py's on-policy
+    rows are these), in .jsonl/.json files, hub:NAME[:SPLIT] or hub:NAME:CONFIG:SPLIT (needs the
+    datasets package); docs/data.md lists the shapes. Default: the built-in demo (demo:sft: its
+    reviews with coin-flip labels, for an SFT stage). Repeat the flag or separate with commas."""
     eval_data: tuple[str, ...] = ()
-    """Held-out pairs, same forms. Default: the demo's held-out split with the demo, else
-    --eval-fraction."""
+    """Held-out rows, the same shapes and forms. Default: the demo's held-out split with the demo,
+    else --eval-fraction."""
     eval_fraction: float = 0.0
     """Share of --data held out for evaluation (a fixed, seed-independent choice); 0 with no
     --eval-data: none."""
@@ -83,6 +94,10 @@ class DataConfig:
     max_prompt_length: int | None = None
     """Most prompt tokens kept when a pair is longer than --max-length. Default: half of
     --max-length."""
+    missing_eos_penalty: float = 0.0
+    """Subtracted from the score of each response cut short (a row's "cut": generate.py marks the
+    completions that --max-new-tokens stopped) before pairs are drawn, as TRL's
+    missing_eos_penalty; such a response never gets an EOS appended either way."""
     truncation: Literal["keep_end", "keep_start"] = "keep_end"
     """Which part of a too-long prompt is kept: its end (nearest the response) or its start. A
     leading BOS stays."""
@@ -92,7 +107,7 @@ class DataConfig:
     chat_template: str | None = None
     """A Jinja chat template file, or the name of one the project ships: chatml. For tokenizers
     without one (base models); it replaces the tokenizer's own, and the export's tokenizer keeps
-    it."""
+    it. Default: the tokenizer's own."""
 
     def __post_init__(self):
         self.data = tuple(s for spec in self.data for s in spec.split(",") if s)
@@ -102,6 +117,8 @@ class DataConfig:
                 f"need 0 < --max-prompt-length ({self.prompt_limit}) < --max-length "
                 f"({self.max_length}), so every response keeps at least one token"
             )
+        if not self.missing_eos_penalty >= 0:
+            raise ValueError(f"--missing-eos-penalty must be >= 0, got {self.missing_eos_penalty}")
         if not 0 <= self.eval_fraction < 1:
             raise ValueError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
         if self.eval_fraction and self.eval_data:
@@ -120,8 +137,9 @@ class DataError(ValueError):
 
 def read_rows(spec: str) -> list[dict]:
     """Checked rows of a file or hub dataset: {"prompt" (None if implicit), "responses", "scores"
-    (floats; NaN for a missing or non-finite one), "fields" (the responses' fields, for errors),
-    "where"}. A pair is the responses [chosen, rejected], scored [1, 0]."""
+    (floats; NaN for a missing or non-finite one), "cut" (a bool per response: cut short by a
+    length limit, so it gets no EOS), "fields" (the responses' fields, for errors), "where"}. A
+    pair is the responses [chosen, rejected], scored [1, 0]."""
     raw = _read_source(spec)
     if not raw:
         raise DataError(f"{spec}:1: no preference pairs")
@@ -246,11 +264,23 @@ def read_rows(spec: str) -> list[dict]:
                 f"{where}: this row is {kind}, but the first row ({first[0]}) is {first[1]}; mixed "
                 "formats in one file are refused"
             )
+        # Responses that a length limit cut short, before their end: they get no EOS.
+        cut = row.get("cut", [False] * len(responses))
+        if not (
+            isinstance(cut, list)
+            and len(cut) == len(responses)
+            and all(isinstance(c, bool) for c in cut)
+        ):
+            raise DataError(
+                f"{where}: field 'cut' must be a list of {len(responses)} booleans, one per "
+                f"response (true: cut short, without its end), got {json.dumps(cut)[:80]}"
+            )
         rows.append(
             {
                 "prompt": prompt,
                 "responses": responses,
                 "scores": scores,
+                "cut": cut,
                 "fields": [label for label, _ in fields[1:]],
                 "where": where,
             }
@@ -358,7 +388,8 @@ def _load_hub(spec: str):
 
 
 def _render(row: dict, tokenizer) -> tuple[str, list[str]]:
-    """(prompt, responses) text, the prompt ending where generation would start."""
+    """(prompt, responses) text, the prompt ending where generation would start; a cut
+    message-list response ends with its last message's text."""
     prompt, responses, where = row["prompt"], row["responses"], row["where"]
     if prompt is None:
         prompt = _implicit_prompt(*responses, tokenizer, where)
@@ -383,6 +414,15 @@ def _render(row: dict, tokenizer) -> tuple[str, list[str]]:
                 "two cannot be split"
             )
         texts.append(full[len(text) :])
+        if row["cut"][j] and response:
+            # A cut turn ends where its text stops: none of the template's end-of-turn after it.
+            content = response[-1]["content"].strip()
+            if content not in texts[-1]:
+                raise DataError(
+                    f"{where}: a cut response's last message is not in the chat template's text "
+                    "of it, so where it stops cannot be found"
+                )
+            texts[-1] = texts[-1][: texts[-1].rfind(content) + len(content)] if content else ""
     return text, texts
 
 
@@ -469,12 +509,21 @@ def tokenize_rows(
             "truncated_prompts",
             "truncated_responses",
             "retokenized",
+            "cut_responses",
         ),
         0,
     )
     # Rows that rank nothing: a score missing or not finite, or all scores equal.
     scored = []
     for row in rows:
+        cut = row.get("cut", [False] * len(row["responses"]))
+        counts["cut_responses"] += sum(cut)
+        # A response cut short loses --missing-eos-penalty before any pair is drawn, as in TRL.
+        row = {
+            **row,
+            "cut": cut,
+            "scores": [s - config.missing_eos_penalty * c for s, c in zip(row["scores"], cut)],
+        }
         if not all(map(math.isfinite, row["scores"])):
             counts["dropped_unscored"] += 1
         elif len(set(row["scores"])) < 2:
@@ -509,8 +558,12 @@ def tokenize_rows(
                 )
             kept = _truncate(
                 prompt,
-                [_response_ids(ids, r, next(fulls), tokenizer, counts) for r in responses],
+                [
+                    _response_ids(ids, r, next(fulls), tokenizer, counts, cut)
+                    for r, cut in zip(responses, row["cut"])
+                ],
                 row["scores"],
+                tokenizer.eos_token_id,
                 prefix,
                 config,
                 counts,
@@ -534,8 +587,8 @@ def tokenize_rows(
         ).view(-1, width - 1),
     )
     return tokens, {
-        "pairs": len(tokens),
         "rows": len(tokens),
+        "pairs": _pairs_by_choice(tokens.scores),
         "responses": int(tokens.lengths[:, 1:].count_nonzero()),
         "dropped": sum(v for k, v in counts.items() if k.startswith("dropped_")),
         **counts,
@@ -544,15 +597,17 @@ def tokenize_rows(
 
 
 def _response_ids(
-    prompt: list[int], text: str, full: list[int], tokenizer, counts: dict
+    prompt: list[int], text: str, full: list[int], tokenizer, counts: dict, cut: bool
 ) -> list[int]:
     """A response's ids, ending with one EOS: the template's own if only whitespace follows it, else
-    an appended one."""
+    an appended one; none if it was `cut` short."""
     if full[: len(prompt)] == prompt:
         ids = full[len(prompt) :]
     else:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         counts["retokenized"] += 1
+    if cut:
+        return ids
     if tokenizer.eos_token_id in ids:
         last = len(ids) - 1 - ids[::-1].index(tokenizer.eos_token_id)
         if not tokenizer.decode(ids[last + 1 :]).strip():
@@ -564,6 +619,7 @@ def _truncate(
     prompt: list[int],
     responses: list[list[int]],
     scores: list[float],
+    eos_id: int,
     prefix: list[int],
     config: DataConfig,
     counts: dict,
@@ -571,8 +627,8 @@ def _truncate(
 ) -> tuple[list[int], list[tuple[list[int], float]]] | None:
     """(prompt, [(response, score)]) cut to config's limits, without empty responses or repeats of
     an earlier one (counted); None when fewer than two distinct scores are left (counted)."""
-    # Nothing but EOS: no answer to rank.
-    kept = [(r, score) for r, score in zip(responses, scores) if len(r) > 1]
+    # Nothing, or nothing but EOS: no answer to rank.
+    kept = [(r, score) for r, score in zip(responses, scores) if r not in ([], [eos_id])]
     counts["empty_responses"] += len(responses) - len(kept)
     if len({score for _, score in kept}) < 2:
         counts["dropped_empty"] += 1
@@ -594,16 +650,16 @@ def _truncate(
         head = prefix if prompt[: len(prefix)] == prefix else []
         prompt = head + prompt[len(prompt) - (config.prompt_limit - len(head)) :]
     room = config.max_length - len(prompt)
+    # A row over max_length always loses prompt or response tokens.
+    counts["truncated"] += 1
+    counts["truncated_prompts"] += int(cut_prompt)
+    counts["truncated_responses"] += int(longest > room)
     # Responses that differ only past the cut teach nothing either.
     kept = _distinct([(r[:room], score) for r, score in kept], counts)
     if len({score for _, score in kept}) < 2:
         counts["dropped_identical"] += 1
         counts["identical_after_truncation"] += 1
         return None
-    # A row over max_length always loses prompt or response tokens.
-    counts["truncated"] += 1
-    counts["truncated_prompts"] += int(cut_prompt)
-    counts["truncated_responses"] += int(longest > room)
     return prompt, kept
 
 
@@ -615,6 +671,17 @@ def _distinct(kept: list[tuple[list[int], float]], counts: dict) -> list[tuple[l
         unique.setdefault(tuple(ids), (ids, score))
     counts["identical_responses"] += len(kept) - len(unique)
     return list(unique.values())
+
+
+def _pairs_by_choice(scores: torch.Tensor) -> dict[str, int]:
+    """The pairs that rows of these (N, K) scores (NaN past a row's responses) give under each
+    --pairs, as batches.row_pairs draws them: ties never pair, and a row's tied bests count once."""
+    best = scores.nan_to_num(-math.inf).amax(1, keepdim=True)
+    return {
+        "all": int((scores[:, :, None] > scores[:, None, :]).sum()),
+        "best-vs-rest": int((scores < best).sum()),
+        "best-vs-worst": len(scores),
+    }
 
 
 def _leading_special_ids(tokenizer) -> list[int]:
@@ -672,13 +739,13 @@ def tokenize_to_cache(config: DataConfig, tokenizer, progress=None) -> str:
     train, train_summary = tokenize_rows(rows, tokenizer, config, progress)
     evals, eval_summary = tokenize_rows(eval_rows, tokenizer, config, progress)
     if not len(train):
-        raise DataError(
-            f"{','.join(config.data)}: every row was dropped ("
-            + ", ".join(
-                f"{k} {v}" for k, v in train_summary.items() if k.startswith("dropped_") and v
-            )
-            + ")"
-        )
+        why = [
+            f"{train_summary[k]} "
+            + reason.format(max_length=config.max_length, prompt_limit=config.prompt_limit)
+            for k, reason in _DROPPED.items()
+            if train_summary[k]
+        ]
+        raise DataError(f"{','.join(config.data)}: every row was dropped: {'; '.join(why)}")
     # What fixes the training pairs, for resume checks: the files, and how this code and tokenizer
     # cut them.
     summary = {
@@ -780,9 +847,11 @@ def load_tokenizer(name: str, chat_template: str | None = None):
 
 def inspect(argv: list[str] | None = None) -> None:
     """python data.py PATH --model NAME [--max-length N] [--max-prompt-length N] [--truncation T]
-    [--chat-template T] [--show N]: N JSON lines decoded from exactly the tokens that will be
-    trained, then one JSON summary line. A pair file's rows show as {"prompt", "chosen",
-    "rejected"}, rows of K scored responses as {"prompt", "responses": [{"score", "text"}, ...]}."""
+    [--chat-template T] [--missing-eos-penalty X] [--show N]: N JSON lines decoded from exactly
+    the tokens that will be trained, then one JSON summary line (its "pairs": how many each
+    --pairs draws). A pair file's rows show as {"prompt", "chosen", "rejected"}, rows of K scored
+    responses as {"prompt", "responses": [{"score", "text"}, ...]}; either with "cut", a bool per
+    response, where any ends without EOS."""
     parser = argparse.ArgumentParser(prog="data.py", description=inspect.__doc__.split(":")[0])
     parser.add_argument(
         "path", help="file(s) (comma-separated), hub:NAME[:SPLIT] or hub:NAME:CONFIG:SPLIT"
@@ -798,6 +867,9 @@ def inspect(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--chat-template", help="a Jinja file or chatml, in place of the tokenizer's template"
     )
+    parser.add_argument(
+        "--missing-eos-penalty", type=float, default=0.0, help="taken from a cut response's score"
+    )
     parser.add_argument("--show", type=int, default=3, help="rows to print")
     args = parser.parse_args(argv)
     transformers.utils.logging.set_verbosity_error()
@@ -808,6 +880,7 @@ def inspect(argv: list[str] | None = None) -> None:
             max_prompt_length=args.max_prompt_length,
             truncation=args.truncation,
             chat_template=args.chat_template,
+            missing_eos_penalty=args.missing_eos_penalty,
         )
         tokenizer = load_tokenizer(args.model, args.chat_template)
         rows = [row for spec in config.data for row in read_rows(spec)]
@@ -826,6 +899,10 @@ def inspect(argv: list[str] | None = None) -> None:
                 {"score": float(f"{score:.7g}"), "text": tokenizer.decode(ids)}
                 for ids, score in zip(row["responses"], row["scores"])
             ]
+        # As a row says it: which responses end without EOS (cut short, or by --max-length).
+        cut = [ids[-1] != tokenizer.eos_token_id for ids in row["responses"]]
+        if any(cut):
+            shown["cut"] = cut
         print(json.dumps(shown, ensure_ascii=False))
     print(json.dumps(summary))
 

@@ -165,13 +165,15 @@ def record_samples(evaluations: list | None, step: int, means: dict, samples: li
 
 def what_moved(evaluations: list[tuple[int, float, dict]]) -> str:
     """The demo's last line, from its evaluations' (step, preferred share, first sample): the
-    scorer's share and the first held-out prompt's completion, at the first and the last."""
+    scorer's share at the first, the last and the best evaluation (the first of equals), and the
+    first held-out prompt's completion at the first and the last."""
     first = evaluations[0]
     last = evaluations[-1]
+    best = max(evaluations, key=lambda evaluation: evaluation[1])
     return (
         f"demo: the scorer prefers {first[1]:.0%} of samples at step {first[0]} and "
-        f"{last[1]:.0%} at step {last[0]}; {first[2]['prompt']!r} -> {first[2]['completion']!r}, "
-        f"then -> {last[2]['completion']!r}"
+        f"{last[1]:.0%} at step {last[0]} (best {best[1]:.0%}, at step {best[0]}); "
+        f"{first[2]['prompt']!r} -> {first[2]['completion']!r}, then -> {last[2]['completion']!r}"
     )
 
 

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -47,14 +48,19 @@ class SampleConfig:
     --seed."""
 
     def __post_init__(self):
-        if self.eval_every < 0:
-            raise ValueError(f"--eval-every must be >= 0, got {self.eval_every}")
-        if self.num_samples < 0:
-            raise ValueError(f"--num-samples must be >= 0, got {self.num_samples}")
-        if self.sample_max_tokens < 1:
-            raise ValueError(f"--sample-max-tokens must be >= 1, got {self.sample_max_tokens}")
-        if self.sample_temperature < 0:
-            raise ValueError(f"--sample-temperature must be >= 0, got {self.sample_temperature}")
+        _check_lower_bounds(
+            self,
+            {"eval_every": 0, "num_samples": 0, "sample_max_tokens": 1, "sample_temperature": 0},
+        )
+
+
+def _check_lower_bounds(config, lowest: dict[str, float]) -> None:
+    """ValueError naming the first of `config`'s fields below its lowest value in `lowest` (or not
+    a number: NaN)."""
+    for name, low in lowest.items():
+        value = getattr(config, name)
+        if not value >= low:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
 
 
 def sample_completions(
@@ -92,15 +98,17 @@ def sample_completions(
 @dataclass
 class GenerateConfig:
     model: str = "runs/cache/demo-sft/final"
-    """The policy to sample from: a Hugging Face hub id or folder, such as a run's {out_dir}/final
-    (default: the demo's SFT stage, which train_dpo.py writes on its first default run)."""
+    """The policy to sample from: a Hugging Face hub id or folder, such as a run's {out_dir}/final,
+    or tiny (train_dpo.py's random-init model at --seed). Default: the demo's SFT stage, which
+    train_dpo.py writes on its first default run."""
     data: str = "runs/cache/demo-train.jsonl"
     """The prompts: a .jsonl or .json file, or hub:NAME[:split] (needs datasets), whose rows each
     have a "prompt", text or a list of messages; any other field is ignored (default: the demo's
     training prompts, which train_dpo.py writes on its first default run)."""
     out: str = "runs/onpolicy/rows.jsonl"
-    """Where the rows go, as JSON Lines {"prompt", "responses", "scores"}, in the prompts' order;
-    the settings and the time go next to it, in {out}.json."""
+    """Where the rows go, as JSON Lines {"prompt", "responses", "scores", "cut"} ("cut": whether
+    --max-new-tokens stopped each completion before its EOS), in the prompts' order; the settings,
+    the time and the count of cut completions go next to it, in {out}.json."""
     num_generations: int = 4
     """K: completions sampled per prompt."""
     temperature: float = 1.0
@@ -128,18 +136,19 @@ class GenerateConfig:
     """The weights' dtype: auto is bf16 on a GPU and fp32 on a CPU."""
 
     def __post_init__(self):
-        if self.num_generations < 1:
-            raise ValueError(f"--num-generations must be >= 1, got {self.num_generations}")
-        if self.temperature < 0:
-            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        _check_lower_bounds(
+            self,
+            {
+                "num_generations": 1,
+                "temperature": 0,
+                "max_new_tokens": 1,
+                "batch_size": 1,
+                "skip_prompts": 0,
+                "max_prompts": 0,
+            },
+        )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        if self.batch_size < 1:
-            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if self.skip_prompts < 0 or self.max_prompts < 0:
-            raise ValueError("--skip-prompts and --max-prompts must be >= 0")
 
 
 # Compiled blocks run eager here: generation's variants (KV cache, one-token queries, one per layer
@@ -159,10 +168,11 @@ def generate(
     num_generations: int = 1,
     first: int = 0,
 ) -> list[list[int]]:
-    """Each prompt's `num_generations` completions (prompt by prompt), ids without EOS: greedy at
-    temperature 0, else sampled, each from a generator of its own seeded by (`seed`, `first` + the
-    prompt's index, the completion's number), so that a prompt gets the same completions in any
-    batch of the same prompts on any rank. Each prompt is prefilled once and its KV cache repeated
+    """Each prompt's `num_generations` completions (prompt by prompt), ids ending with EOS where
+    the completion ended (none where `max_new_tokens` cut it short): greedy at temperature 0, else
+    sampled, each from a generator of its own seeded by (`seed`, `first` + the prompt's index, the
+    completion's number), so that a prompt gets the same completions in any batch of the same
+    prompts on any rank. Each prompt is prefilled once and its KV cache repeated
     for its completions. A collective under torch.distributed, as every FSDP2 forward is one: call
     it on every rank. Unlike Hugging Face's `generate`, which stops when this rank's sequences end
     and hangs the others, ranks stop together. An FSDP2 model's blocks stay gathered for the whole
@@ -223,9 +233,9 @@ def generate(
     for group, setting in kept:
         group.post_forward_mesh_info = setting
         group.reshard()
-    # Each row of (B * K, new tokens) cut at its EOS.
+    # Each row of (B * K, new tokens) up to its EOS; one without EOS was cut by max_new_tokens.
     return [
-        row[: row.index(eos_id)] if eos_id in row else row
+        row[: row.index(eos_id) + 1] if eos_id in row else row
         for row in torch.stack(out, dim=1).tolist()
     ]
 
@@ -256,9 +266,10 @@ def generate_rows(
     model, tokenizer, prompts: list, config: GenerateConfig, score, device: torch.device
 ) -> tuple[list[dict], int]:
     """(rows, tokens generated) on rank 0, ([], 0) elsewhere: for each prompt (text or messages) its
-    K completions and their scores by score(prompts, completions) -> floats, as {"prompt",
-    "responses", "scores"} in the prompts' order. Batches of --batch-size prompts are dealt to the
-    ranks in turn, formed alike on any number of ranks."""
+    K completions, their scores by score(prompts, completions) -> floats, and whether
+    --max-new-tokens cut each short, as {"prompt", "responses", "scores", "cut"} in the prompts'
+    order. Batches of --batch-size prompts are dealt to the ranks in turn, formed alike on any
+    number of ranks."""
     rank = dist.get_rank()
     world = dist.get_world_size()
     starts = range(0, len(prompts), config.batch_size)
@@ -286,15 +297,18 @@ def generate_rows(
             first,
         )
         texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        # Cut short: the trainer appends no EOS to these, and --missing-eos-penalty lowers them.
+        cut = [c[-1] != tokenizer.eos_token_id for c in completions]
         scores = _checked_scores(score([p for p in batch for _ in range(k)], texts), config.reward)
         if b < len(starts):
-            tokens += sum(min(len(c) + 1, config.max_new_tokens) for c in completions)
+            tokens += sum(map(len, completions))
             rows += [
                 {
                     "index": first + i,
                     "prompt": prompt,
                     "responses": [_response(prompt, t) for t in texts[i * k : (i + 1) * k]],
                     "scores": scores[i * k : (i + 1) * k],
+                    "cut": cut[i * k : (i + 1) * k],
                 }
                 for i, prompt in enumerate(batch)
             ]
@@ -468,8 +482,9 @@ def _shard(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     return model
 
 
-def write_rows(config: GenerateConfig, rows: list[dict], tokens: int, seconds: float) -> None:
-    """The rows as JSON Lines at --out and the settings at {out}.json, each whole or not at all."""
+def write_rows(config: GenerateConfig, rows: list[dict], tokens: int, seconds: float) -> dict:
+    """The rows as JSON Lines at --out and the settings at {out}.json, each whole or not at all;
+    returns the settings."""
     os.makedirs(os.path.dirname(os.path.abspath(config.out)), exist_ok=True)
     sidecar = {
         **asdict(config),
@@ -479,6 +494,7 @@ def write_rows(config: GenerateConfig, rows: list[dict], tokens: int, seconds: f
         "seconds": round(seconds, 3),
         "mean_score": sum(map(sum, (r["scores"] for r in rows)))
         / (len(rows) * config.num_generations),
+        "cut_completions": sum(map(sum, (r["cut"] for r in rows))),
     }
     for path, text in (
         (config.out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)),
@@ -487,6 +503,7 @@ def write_rows(config: GenerateConfig, rows: list[dict], tokens: int, seconds: f
         with open(path + ".tmp", "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(path + ".tmp", path)
+    return sidecar
 
 
 def run(config: GenerateConfig) -> None:
@@ -508,17 +525,23 @@ def run(config: GenerateConfig) -> None:
             if config.precision == "bf16" or (config.precision == "auto" and cuda)
             else torch.float32
         )
+        # The defaults name the demo's files, which train_dpo.py's first default run writes.
+        missing = [
+            f"--{name} {getattr(config, name)}"
+            for name in ("model", "data")
+            if getattr(config, name) == getattr(GenerateConfig, name)
+            and not os.path.exists(getattr(config, name))
+        ]
+        if missing:
+            raise ValueError(
+                f"{' and '.join(missing)}: the demo's, not written yet: run python train_dpo.py "
+                "once first (its first run writes them), or give --model and --data"
+            )
         prompts = read_prompts(config.data)[config.skip_prompts :]
         prompts = prompts[: config.max_prompts or len(prompts)]
         if not prompts:
             raise ValueError(f"--skip-prompts {config.skip_prompts}: past the last prompt")
-        try:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(config.model)
-            policy = transformers.AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype)
-        except OSError as e:
-            raise ValueError(
-                f"--model {config.model}: cannot load ({str(e).strip().splitlines()[0]})"
-            ) from None
+        tokenizer, policy = _load_policy(config.model, dtype, config.seed)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         _shard(policy, device)
@@ -526,11 +549,53 @@ def run(config: GenerateConfig) -> None:
         t0 = time.perf_counter()
         rows, tokens = generate_rows(policy, tokenizer, prompts, config, score, device)
         if dist.get_rank() == 0:
-            write_rows(config, rows, tokens, time.perf_counter() - t0)
-            print(f"generate: wrote {len(rows)} rows to {config.out}", flush=True)
+            sidecar = write_rows(config, rows, tokens, time.perf_counter() - t0)
+            print(
+                f"generate: wrote {len(rows)} rows to {config.out}; {sidecar['cut_completions']} "
+                f"of {len(rows) * config.num_generations} completions were cut at --max-new-tokens "
+                f'{config.max_new_tokens} (marked in "cut": the trainer appends no EOS to them)',
+                flush=True,
+            )
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _load_policy(name: str, dtype: torch.dtype, seed: int) -> tuple:
+    """(tokenizer, model) of a hub id or folder; "tiny": train_dpo.py's random-init tiny Llama at
+    `seed` with its byte tokenizer, as its --model tiny builds them (it writes noise: for trying a
+    pipeline without a download)."""
+    if name != "tiny":
+        try:
+            return (
+                transformers.AutoTokenizer.from_pretrained(name),
+                transformers.AutoModelForCausalLM.from_pretrained(name, dtype=dtype),
+            )
+        except OSError as e:
+            raise ValueError(
+                f"--model {name}: cannot load ({str(e).strip().splitlines()[0]})"
+            ) from None
+    tokenizer = transformers.ByT5Tokenizer(
+        chat_template=(
+            "{% for m in messages %}{{ '<|' + m.role + '|>\\n' + m.content }}"
+            "{% if m.role == 'assistant' %}{{ '</s>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+        )
+    )
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    return tokenizer, transformers.AutoModelForCausalLM.from_config(config).to(dtype)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -540,7 +605,7 @@ def main(argv: list[str] | None = None) -> None:
 
     transformers.utils.logging.disable_progress_bar()
     try:
-        with tyro._errors.on_parse_error(_raise_config_error):
+        with tyro._errors.on_parse_error(raise_parse_error):
             config = tyro.cli(GenerateConfig, args=argv)
         run(config)
     except ValueError as e:
@@ -548,12 +613,27 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
 
 
-def _raise_config_error(event) -> None:
-    """A config's own ValueError reaches main() as one line, not tyro's box."""
+def raise_parse_error(event) -> None:
+    """tyro's parse errors as one ValueError line naming the flag, for main() to print (exit 2), not
+    tyro's box: a config's own check, a value not among the choices or not of the flag's type, an
+    unknown word, a missing value. train_dpo.py's too. tyro._errors is the pinned tyro's hook."""
     import tyro
 
-    if isinstance(event, tyro._errors.InstantiationFailure) and event.argument is None:
+    flag = getattr(event, "argument", None)
+    name = f"{'/'.join(flag.lowered.name_or_flags)}: " if flag else ""
+    if isinstance(event, tyro._errors.InvalidChoice):
+        raise ValueError(f"{name}{event.value!r} is not one of {', '.join(event.choices)}")
+    if isinstance(event, tyro._errors.UnrecognizedArgs):
+        raise ValueError(f"unrecognized {' '.join(event.tokens)} (--help lists the flags)")
+    if isinstance(event, tyro._errors.InstantiationFailure) and flag:
+        # The value is the last quoted one in the type's message ("... to float: 'abc'").
+        value = re.findall(r"'([^']*)'", event.message.splitlines()[0])[-1:] or [""]
+        kind = str(flag.lowered.metavar).replace("{None}|", "")
+        raise ValueError(f"{name}cannot read {value[0]!r} as {kind}")
+    if isinstance(event, tyro._errors.InstantiationFailure):
         raise ValueError(event.message)
+    # Any other (a missing value, say): tyro's own words, which name the flag, on one line.
+    raise ValueError(" ".join(" ".join(map(str, tyro._errors._render(event)[1])).split()))
 
 
 def _keep_gathered(model, device: torch.device) -> list:

@@ -6,11 +6,12 @@ for.
     # a peft model: only the adapters train
     model = add_adapters(model, LoraConfig(lora_rank=16), block_class)
     reference = WithoutAdapters(model)  # the base model: peft's disable_adapter() per call
-    save_adapters(model, folder, adapters, base_model=None)  # rank 0: a peft adapter folder
+    save_adapters(model, folder, adapters, base_model)  # rank 0: a peft adapter folder
     # by the peft model's names: what to load, adapters too
     weights = initial_weights(model, base_weights)
     # W + (alpha / rank) B A, under the base model's names
-    entries = merged_entries(model, entries)
+    merged = merged_entries(model, entries)
+    base = base_entries(entries)  # W alone, under the base model's names
 """
 
 import functools
@@ -192,15 +193,26 @@ def merged_entries(model: nn.Module, entries: list) -> list:
         for name, module in model.named_modules()
         if isinstance(module, peft.tuners.lora.Linear)
     }
-    merged = []
-    for name, tensor, fetch in entries:
-        if name in layers:
-            fetch = functools.partial(
+    # Each adapted weight's fetch merges its adapters in; every other fetch is the entry's own.
+    merged = [
+        (
+            name,
+            tensor,
+            functools.partial(
                 _merged_weight, layers[name], name.removesuffix(".base_layer.weight"), fetches
             )
-        if ".lora_" not in name:
-            merged.append((_base_name(name), tensor, fetch))
-    return merged
+            if name in layers
+            else fetch,
+        )
+        for name, tensor, fetch in entries
+    ]
+    return base_entries(merged)
+
+
+def base_entries(entries: list) -> list:
+    """fsdp_setup.full_tensors' (name, tensor, fetch) of a peft model as its base model's, under
+    the base model's names: the adapters dropped, nothing merged."""
+    return [(_base_name(name), t, fetch) for name, t, fetch in entries if ".lora_" not in name]
 
 
 def _merged_weight(layer: nn.Module, prefix: str, fetches: dict) -> torch.Tensor:
@@ -215,10 +227,9 @@ def _merged_weight(layer: nn.Module, prefix: str, fetches: dict) -> torch.Tensor
 
 
 def save_adapters(
-    model: nn.Module, folder: str, adapters: dict[str, torch.Tensor], base_model: str | None
+    model: nn.Module, folder: str, adapters: dict[str, torch.Tensor], base_model: str
 ) -> None:
-    """Write peft's adapter folder of the gathered `adapters` (on one rank), naming `base_model`, if
-    any, as base."""
-    if base_model:
-        model.peft_config["default"].base_model_name_or_path = base_model
+    """Write peft's adapter folder of the gathered `adapters` (on one rank), naming `base_model`
+    (a hub id or folder that loads) as base."""
+    model.peft_config["default"].base_model_name_or_path = base_model
     model.save_pretrained(folder, state_dict=adapters)

@@ -137,9 +137,10 @@ _PROBE_SIZES = {
 class LossConfig:
     loss: tuple[LossType, ...] = ()
     """dpo (when none is given; cDPO with --label-smoothing; sigmoid, TRL's name, is dpo), a
-    DPO-family loss (see loss.py), or sft (chosen token-mean NLL). Repeat for a weighted sum (TRL's
-    loss_type list; MPO: --loss dpo --loss bco_pair --loss sft). simpo and sft are
-    reference-free."""
+    DPO-family loss on pairs (see loss.py), or sft (chosen token-mean NLL). Repeat for a weighted
+    sum (TRL's loss_type list; MPO: --loss dpo --loss bco_pair --loss sft). simpo and sft are
+    reference-free. plackett_luce, infonca, nca and lipo are listwise: each takes a prompt's whole
+    row of K scored responses at once, not its pairs, and goes alone."""
     loss_weights: tuple[float, ...] = ()
     """One weight per --loss, in order (1 each when none is given): the loss is the weighted sum of
     each loss's batch mean. RPO is --loss dpo --loss sft --loss-weights 1 --loss-weights alpha."""
@@ -166,7 +167,7 @@ class LossConfig:
     ld_alpha: float | None = None
     """LD-DPO (Liu et al. 2024), in [0, 1]: a response's log-prob is the sum over its first min(len
     chosen, len rejected) tokens plus this times the sum over the rest, for the policy and the
-    reference alike. None: plain sums."""
+    reference alike. Default: none, plain sums."""
     f_divergence_type: Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"] = (
         "reverse_kl"
     )

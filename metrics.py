@@ -421,16 +421,18 @@ class RunLog:
         # An open_wandb run on rank 0, opened by the caller, where a failure reaches every rank.
         self.wandb = None
 
-    def write_data(self, summaries: dict[str, dict], fresh: bool) -> None:
-        """Show each data split's counts (data.tokenize_rows' summary); a fresh run also logs them
-        at step 0."""
+    def write_data(self, summaries: dict[str, dict], fresh: bool, pairs: str = "all") -> None:
+        """Show each data split's counts (data.tokenize_rows' summary), with the pairs its rows give
+        under --pairs `pairs`; a fresh run also logs them at step 0."""
         for split, summary in summaries.items():
             d = {k: v for k, v in summary.items() if not isinstance(v, dict)}
+            d["pairs"] = summary["pairs"][pairs]
             if fresh:
                 self.write({"step": 0, "split": f"data/{split}", **d})
             if d["rows"] or d["dropped"]:
                 say(
-                    f"{split} data: {d['rows']} rows of {d['responses']} responses; dropped "
+                    f"{split} data: {d['rows']} rows of {d['responses']} responses, {d['pairs']} "
+                    f"pairs (--pairs {pairs}); dropped "
                     f"{d['dropped']} (unscored {d['dropped_unscored']}, tied {d['dropped_tied']}, "
                     f"empty response {d['dropped_empty']}, identical {d['dropped_identical']}, of "
                     f"which after truncation {d['identical_after_truncation']}); truncated "
@@ -463,7 +465,7 @@ class RunLog:
 class WandbConfig:
     wandb_project: str | None = None
     """Also log metrics and samples to this Weights & Biases project (needs the wandb package); a
-    run resumed in the same --out-dir logs on into the same W&B run."""
+    run resumed in the same --out-dir logs on into the same W&B run. Default: none."""
     wandb_run_name: str | None = None
     """The W&B run's name (TRL's run_name); default: W&B's own."""
 

@@ -60,7 +60,8 @@ class Precision:
     """fp16's dynamic loss scaling; disabled otherwise, where scale, unscale_ and step pass
     through."""
     warning: str | None = None
-    """Why this choice will be slow on this machine, to print once; None when it will not."""
+    """What to know of this choice on this machine (slow here, or not what auto would pick), to
+    print once; None when nothing."""
 
 
 def resolve_precision(config: PrecisionConfig, device: torch.device) -> Precision:
@@ -97,6 +98,11 @@ def resolve_precision(config: PrecisionConfig, device: torch.device) -> Precisio
             "--precision bf16: this CPU has no native bfloat16 (no avx512_bf16 or amx_bf16 in "
             "/proc/cpuinfo): bf16 matmuls are emulated, many times slower than fp32; --precision "
             "fp32 (or auto) is faster here"
+        )
+    if name == "fp16" and device.type == "cpu":
+        warning = (
+            "--precision fp16 on a CPU: float16 compute with a dynamic loss scaler, as on a GPU; "
+            "auto would pick fp32 here"
         )
     return Precision(
         name=name,

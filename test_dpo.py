@@ -31,6 +31,8 @@ import tempfile
 import textwrap
 import time
 import tokenize as pytokenize
+import types
+import typing
 import weakref
 
 import pytest
@@ -1443,7 +1445,7 @@ def test_truncation_modes_and_dropped_pairs_are_counted(tmp_path):
             "truncated_responses",
         )
     } == {
-        "pairs": 3,
+        "pairs": {"all": 3, "best-vs-rest": 3, "best-vs-worst": 3},
         "dropped": 2,
         "dropped_empty": 1,
         "dropped_identical": 1,
@@ -1471,11 +1473,76 @@ def test_pairs_identical_once_truncated_are_dropped_and_counted(tmp_path):
         _write_jsonl(tmp_path / "p.jsonl", rows), tok, max_length=14, max_prompt_length=4
     )
     assert [tok.decode(p["chosen"]) for p in tokens] == [" yes</s>"]
+    # The row was truncated before its responses came out the same: counted as both.
     assert (
         summary["dropped_identical"],
         summary["identical_after_truncation"],
         summary["truncated"],
-    ) == (1, 1, 0)
+    ) == (1, 1, 1)
+    # When truncation drops every row, the error says so and names the levers.
+    config = DataConfig(
+        data=(_write_jsonl(tmp_path / "q.jsonl", rows[:1]),),
+        max_length=14,
+        max_prompt_length=4,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    with pytest.raises(DataError) as info:
+        tokenize_to_cache(config, tok)
+    assert str(info.value) == (
+        f"{config.data[0]}: every row was dropped: 1 whose responses were identical token for "
+        "token; 1 of these only once cut to --max-length 14, the prompt to at most 4 tokens "
+        "(--max-prompt-length): raise --max-length, or lower --max-prompt-length to leave the "
+        "responses more room"
+    )
+
+
+def test_responses_cut_short_get_no_eos_and_lose_the_missing_eos_penalty(tmp_path, capsys):
+    """A row's "cut" marks responses that a length limit stopped: hand-counted, a cut text
+    response is its bytes alone and an ended one its bytes and EOS; a cut message-list response
+    stops at its content, without the template's end of turn; --missing-eos-penalty lowers a cut
+    response's score before the pairs are drawn (here turning a pair around); data.py --show marks
+    them. A bad "cut" names the file, line and field."""
+    _, tok = tiny(seed=0)
+    eos = tok.eos_token_id
+    assistant = [{"role": "assistant", "content": "fine"}]
+    rows = [
+        {"prompt": "Q:", "responses": [" ab", " cd", " ef"], "scores": [1, 1, 0]},
+        {"prompt": "Q:", "responses": [" ab", " cd"], "scores": [1, 0], "cut": [True, False]},
+        {
+            "prompt": [{"role": "user", "content": "hi"}],
+            "responses": [assistant, [{"role": "assistant", "content": "no"}]],
+            "scores": [1, 0],
+            "cut": [True, False],
+        },
+    ]
+    path = _write_jsonl(tmp_path / "cut.jsonl", rows[:2])
+    for penalty, scores in ((0.0, [1.0, 0.0]), (2.0, [-1.0, 0.0])):
+        tokens, summary = tokenize_rows(
+            read_rows(path), tok, DataConfig(missing_eos_penalty=penalty)
+        )
+        assert tokens[0]["responses"] == [
+            [c + 3 for c in b" ab"] + [eos],
+            [c + 3 for c in b" cd"] + [eos],
+            [c + 3 for c in b" ef"] + [eos],
+        ]
+        # Cut: " ab" alone, no EOS; ended: " cd" and EOS.
+        assert tokens[1]["responses"] == [[c + 3 for c in b" ab"], [c + 3 for c in b" cd"] + [eos]]
+        assert tokens[1]["scores"] == scores and summary["cut_responses"] == 1
+        # Rows of scores (1, 1, 0) and (1, 0): all gives 2 + 1 pairs, best-vs-rest 1 + 1.
+        assert summary["rows"] == 2
+        assert summary["pairs"] == {"all": 3, "best-vs-rest": 2, "best-vs-worst": 2}
+    # A message-list response, cut: its content, without the template's "</s>\n" after it.
+    chat = _write_jsonl(tmp_path / "chat.jsonl", rows[2:])
+    tokens, _ = tokenize_rows(read_rows(chat), tok, DataConfig())
+    assert [tok.decode(r) for r in tokens[0]["responses"]] == ["fine", "no</s>"]
+    data.inspect([path, "--model", "tiny", "--show", "2", "--missing-eos-penalty", "2"])
+    shown = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert "cut" not in shown[0] and shown[1]["cut"] == [True, False]
+    assert [r["score"] for r in shown[1]["responses"]] == [-1.0, 0.0]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "Q", "responses": ["a", "b"], "scores": [1, 0], "cut": [1, 0]}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:1: field 'cut' must be a list of 2 booleans"):
+        read_rows(str(bad))
 
 
 ROW_ERRORS = {
@@ -1539,7 +1606,7 @@ def test_inspector_prints_the_trained_tokens_decoded_and_a_summary(tmp_path, cap
     summary = lines[2]
     # Prompts are 26 bytes. Pairs 3 and 4 exceed 34: the prompt keeps its last 24 bytes, then "yes"
     # x 3 + EOS fits in the 10 left; "yes" x 4 + EOS (13) does not, and is cut.
-    assert summary["pairs"] == 4 and summary["dropped"] == 0 and summary["truncated"] == 2
+    assert summary["pairs"]["all"] == 4 and summary["dropped"] == 0 and summary["truncated"] == 2
     assert summary["truncated_prompts"] == 2 and summary["truncated_responses"] == 1
     assert summary["tokens_before_truncation"]["response"]["p100"] == 13
     # K scored responses: each with its score as read; the repeated response kept once.
@@ -1889,7 +1956,7 @@ def test_eval_fraction_holds_out_a_fixed_disjoint_share(tmp_path):
     def prompts(t):
         return {tok.decode(t[i]["prompt"]) for i in range(len(t))}
 
-    assert len(train) == 30 and len(evals) == 10 and summary["eval"]["pairs"] == 10
+    assert len(train) == 30 and len(evals) == 10 and summary["eval"]["pairs"]["all"] == 10
     assert prompts(train) | prompts(evals) == {f"p{i}" for i in range(40)} and not prompts(
         train
     ) & prompts(evals)
@@ -2025,6 +2092,12 @@ def test_precision_names_and_errors():
     assert (
         resolve_precision(PrecisionConfig("auto"), CPU).name == "fp32"
     )  # bf16 only on a CUDA device that supports it
+    # fp16 on a CPU is what was asked for, with a line saying so.
+    assert resolve_precision(PrecisionConfig("auto"), CPU).warning is None
+    assert resolve_precision(PrecisionConfig("fp16"), CPU).warning == (
+        "--precision fp16 on a CPU: float16 compute with a dynamic loss scaler, as on a GPU; auto "
+        "would pick fp32 here"
+    )
     with pytest.raises(ValueError, match="fp32, bf16, fp16"):
         resolve_precision(PrecisionConfig("fp8"), CPU)
 
@@ -4595,15 +4668,49 @@ def test_wpo_log_weights_and_ld_dpo_sums_match_a_naive_full_softmax_with_gradien
             ["--loss", "dpo", "--loss", "sft", "--loss-weights", "1"],
             "--loss-weights: 1 weights for 2 --loss",
         ),
+        # What the parser refuses: the same one line, before the demo's SFT stage would start.
+        (["--loss", "nonsense"], "error: --loss: 'nonsense' is not one of dpo, sigmoid, ipo,"),
+        (["--lr", "abc"], "error: --lr: cannot read 'abc' as FLOAT"),
+        (["--micro-batch-size", "x"], "error: --micro-batch-size: cannot read 'x' as INT|{auto}"),
+        (["--nonsense"], "error: unrecognized --nonsense (--help lists the flags)"),
+        (["--max-steps"], "error: Missing value for argument '--max-steps'"),
+        (["--lr", "-1"], "error: --lr must be >= 0, got -1.0"),
+        (["--weight-decay", "nan"], "error: --weight-decay must be >= 0, got nan"),
+        (["--seed", str(2**64)], "error: --seed must be in [0, 2^63), got 18446744073709551616"),
+        (["--sample-temperature", "nan"], "error: --sample-temperature must be >= 0, got nan"),
+        (["--missing-eos-penalty", "-1"], "error: --missing-eos-penalty must be >= 0, got -1.0"),
     ],
 )
-def test_invalid_objective_combinations_fail_with_one_line_and_exit_2(argv, message, capsys):
+def test_invalid_flags_fail_with_one_line_and_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         train_dpo.main(argv)
     err = capsys.readouterr().err
     assert (
         e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err
     ), err
+
+
+def test_help_says_what_each_group_sets_and_no_default_is_none(capsys, monkeypatch):
+    """--help: every group of flags (each sub-config of Config) opens with its own description (the
+    comment above its field, which tyro reads), and no flag shows "(default: None)": a default
+    decided later is said in its text."""
+    monkeypatch.setenv("COLUMNS", "100")  # one column of groups
+    with pytest.raises(SystemExit) as e:
+        train_dpo.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "(default: None)" not in out
+    # Boxes on a terminal, rules of "-" when captured: each group's title, then its first text.
+    lines = [line.strip(" │╭╮╰╯─") for line in out.splitlines()]
+    described = {
+        line.removesuffix(" options"): next(x for x in lines[i + 1 :] if x.strip("-"))
+        for i, line in enumerate(lines)
+        if line.endswith(" options")
+    }
+    hints = typing.get_type_hints(train_dpo.Config)
+    groups = [name for name, hint in hints.items() if dataclasses.is_dataclass(hint)]
+    assert len(groups) == 11 and sorted(described) == sorted(g.replace("_", "-") for g in groups)
+    assert all(not text.startswith("-") for text in described.values()), described
+    assert len(set(described.values())) == len(groups)  # each its own
 
 
 def test_generate_with_cache_and_left_padding_matches_naive_greedy():
@@ -4619,9 +4726,9 @@ def test_generate_with_cache_and_left_padding_matches_naive_greedy():
             ids = list(prompt)
             for _ in range(12):  # no cache, no padding: the whole sequence every step
                 nxt = policy(input_ids=torch.tensor([ids])).logits[0, -1].argmax().item()
+                ids.append(nxt)  # an ended completion keeps its EOS
                 if nxt == tok.eos_token_id:
                     break
-                ids.append(nxt)
             assert completion == ids[len(prompt) :]
     again = generate(
         policy, prompts, 12, tok.eos_token_id, tok.pad_token_id, temperature=1.0, seed=7
@@ -4782,7 +4889,7 @@ def test_generation_keeps_ranks_in_lockstep_when_one_finishes_early(two_ranks):
     out = generation_run(two_ranks)
     # Both ranks ran 6 forwards (rank 0 kept stepping for rank 1, its EOS masked to padding), and
     # nothing hung.
-    assert (out / "lockstep-0.txt").read_text() == "6 [[]]"
+    assert (out / "lockstep-0.txt").read_text() == "6 [[1]]"  # EOS at once: it ended
     assert (out / "lockstep-1.txt").read_text() == "6 [[3, 3, 3, 3, 3, 3]]"
 
 
@@ -4905,9 +5012,11 @@ def test_the_default_run_trains_the_demo_sft_stage_once_resuming_it_then_dpo_fro
             assert read_metrics(out)[0]["loss"] == pytest.approx(math.log(2), abs=F32_REL)
             evals = read_metrics(out, "eval")
             assert [r["step"] for r in evals] == [0, 1, 2]
+            shares = [r["samples/preferred"] for r in evals]
+            best = shares.index(max(shares))  # the first of equals
             assert err[-1].startswith(
-                f"demo: the scorer prefers {evals[0]['samples/preferred']:.0%} of samples at step "
-                f"0 and {evals[-1]['samples/preferred']:.0%} at step 2; 'Review the"
+                f"demo: the scorer prefers {shares[0]:.0%} of samples at step 0 and "
+                f"{shares[-1]:.0%} at step 2 (best {shares[best]:.0%}, at step {best}); 'Review the"
             )
     assert real(False, "tiny", ("demo",), True, cache) == {}
     assert real(True, "gpt2", ("demo",), True, cache) == {}
@@ -5124,6 +5233,16 @@ def test_lora_run_starts_at_ln2_checkpoints_only_adapters_and_exports_a_peft_fol
             torch.testing.assert_close(
                 p, _adapters(lora_six)[name.replace(".default", "")], rtol=0, atol=0
             )
+    # The tiny base, saved nowhere else, lies beside the adapters: the folder alone loads, offline,
+    # and computes what the adapters on the tiny model of --seed 0 compute, bit for bit.
+    assert config["base_model_name_or_path"] == final
+    alone = transformers.AutoModelForCausalLM.from_pretrained(final, local_files_only=True)
+    x = torch.tensor([list(range(3, 40))])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            alone(input_ids=x).logits, loaded(input_ids=x).logits, rtol=0, atol=0
+        )
+        assert alone.generate(x, max_new_tokens=4, min_new_tokens=4).shape == (1, 37 + 4)
 
 
 def test_lora_resume_is_bit_exact_and_the_merged_export_is_w_plus_scaled_ba(lora_six, tmp_path):
@@ -5865,7 +5984,13 @@ def test_k_varies_per_row_from_2_to_8(tmp_path):
             "responses": [ids(r) + [EOS] for r in row["responses"]],
             "scores": [float(s) for s in row["scores"]],
         }
-    assert summary["rows"] == summary["pairs"] == 4 and summary["responses"] == 18
+    # Distinct scores: all pairs is K (K - 1) / 2 a row, best-vs-rest K - 1, best-vs-worst 1.
+    assert summary["rows"] == 4 and summary["responses"] == 18
+    assert summary["pairs"] == {
+        "all": 1 + 28 + 3 + 10,
+        "best-vs-rest": 1 + 7 + 2 + 4,
+        "best-vs-worst": 4,
+    }
     # The best (the highest score) is each row's last and longest response: 2k + 1 tokens.
     assert _mean_best(tokens) == sum(2 * k + 1 for k in (2, 8, 3, 5)) / 4
 
@@ -5892,7 +6017,8 @@ def test_rows_that_rank_nothing_and_repeated_responses_are_dropped_and_counted(t
     ]
     assert [r["scores"] for r in got] == [[2.0, 1.0], [1.0, 1.0, 0.0]]
     assert {k: v for k, v in summary.items() if k != "tokens_before_truncation"} == {
-        "pairs": 2,
+        # (2, 1) gives one pair; (1, 1, 0) two, of which one is the first best's.
+        "pairs": {"all": 3, "best-vs-rest": 2, "best-vs-worst": 2},
         "rows": 2,
         "responses": 5,
         "dropped": 10,
@@ -5907,6 +6033,7 @@ def test_rows_that_rank_nothing_and_repeated_responses_are_dropped_and_counted(t
         "truncated_prompts": 0,
         "truncated_responses": 0,
         "retokenized": 0,
+        "cut_responses": 0,
     }
     assert tokens.lengths.shape == (2, 4)
     # The first of equal bests: "x".
@@ -5949,7 +6076,7 @@ def test_truncation_keeps_the_prompt_rule_and_cuts_each_response_to_the_room(tmp
         summary["identical_responses"],
         summary["dropped_identical"],
         summary["identical_after_truncation"],
-    ) == (1, 1, 1, 3, 1, 1)
+    ) == (2, 2, 2, 3, 1, 1)  # the dropped row was truncated too
     # Lengths before truncation: the longest response of each row.
     assert summary["tokens_before_truncation"]["response"]["p100"] == 11
 
@@ -6657,6 +6784,61 @@ def test_k_samples_repeat_the_prompts_cache_and_sample_each_rows_softmax():
         draws = [generate._next_tokens(logits, temperature, top_p, [g]).item() for _ in range(n)]
         share = torch.bincount(torch.tensor(draws), minlength=4) / n
         assert torch.all((share - probs).abs() <= 4 * (probs * (1 - probs) / n).sqrt() + 1e-9)
+
+
+class _StopsAtSix(torch.nn.Module):
+    """A causal LM for generate(): token "a" until a row holds 6 tokens (its prompt's and its
+    own), then EOS."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, attention_mask, position_ids, past_key_values, use_cache):
+        logits = torch.zeros(*input_ids.shape, 384)
+        ended = attention_mask.sum(-1) >= 6  # (B,)
+        logits[:, -1, 100] = (~ended).float()  # "a" is byte 97, id 100
+        logits[:, -1, 1] = ended.float()  # EOS
+        return types.SimpleNamespace(logits=logits, past_key_values=None)
+
+
+def test_completions_cut_by_max_new_tokens_are_marked_and_counted_by_hand(
+    tmp_path, capsys, monkeypatch
+):
+    """Prompts of 2, 4 and 6 bytes, a model that writes "a" until a row holds 6 tokens, then EOS,
+    and --max-new-tokens 4: by hand, the first needs 4 "a" and EOS (5 tokens: cut after 4 "a"),
+    the second writes "aa" and EOS, the third EOS alone. Rows mark the first cut, tokens count what
+    was generated (4 + 3 + 1), and the sidecar counts one cut completion. --model
+    tiny is the trainer's tiny model, weight for weight; missing default files name their cause."""
+    tok = load_tokenizer("tiny")
+    config = generate.GenerateConfig(
+        out=str(tmp_path / "rows.jsonl"), max_new_tokens=4, num_generations=1, temperature=0
+    )
+    with world_of_one():
+        rows, tokens = generate.generate_rows(
+            _StopsAtSix(), tok, ["ab", "abcd", "abcdef"], config, _scores_by_length, CPU
+        )
+        assert generate.write_rows(config, rows, tokens, 1.0)["cut_completions"] == 1
+    assert [row["responses"] for row in rows] == [["aaaa"], ["aa"], [""]]
+    assert [row["cut"] for row in rows] == [[True], [False], [False]] and tokens == 8
+    assert json.loads((tmp_path / "rows.jsonl.json").read_text())["cut_completions"] == 1
+    tokenizer, model = generate._load_policy("tiny", torch.float32, 3)
+    expected = models.open_weights("tiny", models.load_model_config("tiny", tok), 3)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    assert tokenizer.chat_template == tok.chat_template
+    monkeypatch.chdir(tmp_path)  # a fresh folder: no demo files
+    with pytest.raises(SystemExit) as exit_info:
+        generate.main(["--out", str(tmp_path / "x.jsonl")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith(
+        "error: --model runs/cache/demo-sft/final and --data runs/cache/demo-train.jsonl: the "
+        "demo's, not written yet: run python train_dpo.py once first"
+    )
+
+
+def _scores_by_length(prompts, completions):
+    return [float(len(c)) for c in completions]
 
 
 def _reward_model_folder(path, tokenizer, num_labels=1):

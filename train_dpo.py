@@ -35,6 +35,8 @@ import metrics
 import models
 import precision
 import schedule
+
+# Imported by name: in Config's annotation, `lora` would be the field, not the module.
 from lora import LoraConfig
 
 # Every sub-config's flags are top-level: --beta, not --objective.beta.
@@ -42,6 +44,7 @@ _FLAGS = tyro.conf.OmitArgPrefixes
 
 
 # ------------------------------------------------------------------------------------------ config
+# The comment right above each group of flags is its description in --help: tyro reads it.
 @dataclass
 class Config:
     """DPO, 14 more preference losses, SFT and LoRA on 1 to N GPUs with FSDP2 mixed precision.
@@ -55,34 +58,44 @@ class Config:
 
     model: str = "tiny"
     """Hub id, local folder, or "tiny" (random-init Llama, byte tokenizer, no download); also the
-    reference."""
+    reference. With no --model and no --data: the demo's SFT stage (see --warm-start)."""
+    # What trains and how it is cut: pairs, K scored responses or on-policy rows; the held-out
+    # split; lengths; the chat template; the token cache.
     dataset: Annotated[data.DataConfig, _FLAGS] = field(default_factory=data.DataConfig)
+    # How rows make steps: the batch, the micro-batch, the pairs a row gives, how long to train.
     batching: Annotated[batches.BatchConfig, _FLAGS] = field(default_factory=batches.BatchConfig)
+    # The loss and its options, and how the reference is computed.
     objective: Annotated[loss.LossConfig, _FLAGS] = field(default_factory=loss.flag_defaults)
+    # The compute dtype (master weights stay float32), gradient clipping, non-finite steps.
     mixed_precision: Annotated[precision.PrecisionConfig, _FLAGS] = field(
         default_factory=precision.PrecisionConfig
     )
+    # Where the model runs and how FSDP2 shards it: HSDP, recompute, compile, offload.
     fsdp: Annotated[fsdp_setup.FSDPConfig, _FLAGS] = field(default_factory=fsdp_setup.FSDPConfig)
-    # Imported by name: in this annotation, read after the assignment, `lora` would be the field
-    # just assigned, not the module.
+    # LoRA adapters (the reference is the base with them off), and their export.
     lora: Annotated[LoraConfig, _FLAGS] = field(default_factory=LoraConfig)
+    # Held-out evaluation and the completions sampled at each.
     sampling: Annotated[generate.SampleConfig, _FLAGS] = field(
         default_factory=generate.SampleConfig
     )
+    # Sharded checkpoints, and resuming from one.
     checkpoints: Annotated[checkpoint.CheckpointConfig, _FLAGS] = field(
         default_factory=checkpoint.CheckpointConfig
     )
+    # Each GPU's memory, planned before launch (--plan), and --micro-batch-size auto's budget.
     memory_plan: Annotated[memory.PlanConfig, _FLAGS] = field(default_factory=memory.PlanConfig)
     lr: float | None = None
     """Peak learning rate. Default: 1e-3 for tiny (from scratch), 5e-7 (DPO paper), 5e-6 with
     --lora-rank (TRL)."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
+    # The learning rate's warmup and decay.
     scheduling: Annotated[schedule.ScheduleConfig, _FLAGS] = field(
         default_factory=schedule.ScheduleConfig
     )
     out_dir: str = "runs/dpo"
     """Where metrics.jsonl, checkpoints/ and final/ (the Hugging Face export) go."""
+    # Logging to Weights & Biases besides metrics.jsonl.
     wandb: Annotated[metrics.WandbConfig, _FLAGS] = field(default_factory=metrics.WandbConfig)
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the Hugging Face export in {out_dir}/final; float32 is the master weights as
@@ -107,7 +120,11 @@ class Config:
             self.lr = 1e-3
         elif self.lr is None:
             self.lr = 5e-6 if self.lora.lora_rank else 5e-7
-        if self.weight_decay < 0:
+        if not self.lr >= 0:
+            raise ValueError(f"--lr must be >= 0, got {self.lr}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"--seed must be in [0, 2^63), got {self.seed}")
+        if not self.weight_decay >= 0:
             raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if self.lora.lora_rank and self.objective.sync_ref_model:
             raise ValueError(
@@ -142,6 +159,7 @@ _SAME_RUN = {
             "batch_size",
             "max_length",
             "max_prompt_length",
+            "missing_eos_penalty",
             "truncation",
             "group_by_length",
             "share_prompt",
@@ -178,7 +196,9 @@ def train(
             share=False,
         )
     log.write_data(
-        {"train": run.data["train"], "eval": run.data["eval"]}, fresh=run.start_step == 0
+        {"train": run.data["train"], "eval": run.data["eval"]},
+        run.start_step == 0,
+        cfg.batching.pairs,
     )
     saver = checkpoint.Checkpointer(
         os.path.join(cfg.out_dir, "checkpoints"),
@@ -759,13 +779,19 @@ def export_final(run: Run, log: metrics.RunLog) -> None:
     # Every rank gathers one tensor at a time; rank 0 writes.
     entries = fsdp_setup.full_tensors(run.policy, run.device)
     if run.cfg.lora.lora_rank and not run.cfg.lora.export_merged:
-        # The adapters alone. The tiny base is a function of --seed: no name to give.
+        if run.cfg.model == "tiny":
+            # The tiny base is saved nowhere else (a function of --seed): its weights go beside the
+            # adapters, where from_pretrained(final) finds them.
+            models.save_pretrained(
+                final, run.policy.get_base_model(), lora.base_entries(entries), dtype
+            )
+        # The adapters, naming their base.
         fsdp_setup.on_rank0(
             lora.save_adapters,
             run.policy,
             final,
             {k: fetch().to("cpu", dtype) for k, tensor, fetch in entries if tensor.requires_grad},
-            None if run.cfg.model == "tiny" else run.cfg.model,
+            final if run.cfg.model == "tiny" else run.cfg.model,
             share=False,
         )
     elif run.cfg.lora.lora_rank:
@@ -789,22 +815,20 @@ def export_final(run: Run, log: metrics.RunLog) -> None:
 
 
 # -------------------------------------------------------------------------------------------- main
-def _raise_config_error(event) -> None:
-    """A config's own ValueError reaches main() as one line, not tyro's box (tyro._errors: the
-    pinned tyro's hook)."""
-    # An event with an argument is a bad value for one flag, which tyro reports itself.
-    if isinstance(event, tyro._errors.InstantiationFailure) and event.argument is None:
-        raise ValueError(event.message)
-
-
 def _flowing_help(config_class) -> None:
     """tyro prints a field's docstring with its source's line breaks, ragged in a terminal: give
     each field of `config_class` and of its sub-configs its docstring as flowing paragraphs, as
-    "help" in the field's metadata, which tyro prefers. docstring_parser is tyro's own reader."""
+    "help" in the field's metadata, which tyro prefers (and no "(default: None)" after it).
+    docstring_parser is tyro's own reader."""
     for doc in docstring_parser.parse_from_object(config_class).params:
         paragraphs = (" ".join(lines.split()) for lines in doc.description.split("\n\n"))
         field_ = config_class.__dataclass_fields__[doc.arg_name]
         field_.metadata = {**field_.metadata, "help": "\n\n".join(paragraphs)}
+        if field_.default is None:
+            # A default computed later: the docstring says what decides it, not "(default: None)".
+            config_class.__annotations__[doc.arg_name] = Annotated[
+                field_.type, tyro.conf.arg(help_behavior_hint="")
+            ]
     for hint in get_type_hints(config_class).values():
         if is_dataclass(hint):
             _flowing_help(hint)
@@ -840,8 +864,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _parse(argv: list[str]) -> Config:
-    # Repeated --data, --eval-data, --loss flags append.
-    with tyro._errors.on_parse_error(_raise_config_error):
+    # Repeated --data, --eval-data, --loss flags append. Every parse error is one line, as
+    # generate.py's are.
+    with tyro._errors.on_parse_error(generate.raise_parse_error):
         return tyro.cli(Config, args=argv, config=(tyro.conf.UseAppendAction,))
 
 
