@@ -77,7 +77,7 @@ class BatchConfig:
         if whole < 1 or self.batch_size % (whole * world_size):
             raise ValueError(
                 f"--batch-size {self.batch_size} must be a multiple of --micro-batch-size "
-                f"({micro}) x {world_size} ranks"
+                f"({micro}, at least 1) x {world_size} ranks"
             )
         return replace(
             self, micro_batch_size=micro, share_prompt=self.share_prompt and shares_prompt

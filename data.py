@@ -58,7 +58,7 @@ _K_SHAPES = (
 # Why rows are dropped, by their count in tokenize_rows' summary, for the error when none is left.
 _DROPPED = {
     "dropped_unscored": "with a score missing or not a finite number",
-    "dropped_tied": "whose scores are all equal",
+    "dropped_tied": "whose scores are all equal (--missing-eos-penalty included)",
     "dropped_empty": "with fewer than two scores left once empty responses go",
     "dropped_identical": "whose responses were identical token for token",
     "identical_after_truncation": "of these only once cut to --max-length {max_length}, the prompt "
@@ -117,8 +117,11 @@ class DataConfig:
                 f"need 0 < --max-prompt-length ({self.prompt_limit}) < --max-length "
                 f"({self.max_length}), so every response keeps at least one token"
             )
-        if not self.missing_eos_penalty >= 0:
-            raise ValueError(f"--missing-eos-penalty must be >= 0, got {self.missing_eos_penalty}")
+        if not 0 <= self.missing_eos_penalty < math.inf:
+            raise ValueError(
+                "--missing-eos-penalty must be a finite number >= 0, got "
+                f"{self.missing_eos_penalty}"
+            )
         if not 0 <= self.eval_fraction < 1:
             raise ValueError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
         if self.eval_fraction and self.eval_data:
@@ -522,7 +525,9 @@ def tokenize_rows(
         row = {
             **row,
             "cut": cut,
-            "scores": [s - config.missing_eos_penalty * c for s, c in zip(row["scores"], cut)],
+            "scores": [
+                s - config.missing_eos_penalty if c else s for s, c in zip(row["scores"], cut)
+            ],
         }
         if not all(map(math.isfinite, row["scores"])):
             counts["dropped_unscored"] += 1
@@ -887,8 +892,11 @@ def inspect(argv: list[str] | None = None) -> None:
         tokens, summary = tokenize_rows(rows, tokenizer, config)
     except (ValueError, OSError) as e:
         parser.exit(2, f"error: {e}\n")
-    # Pairs show as the user wrote them; K scored responses as a list.
-    pairs = all(row["fields"] == ["chosen", "rejected"] for row in rows)
+    # Pairs show as the user wrote them; K scored responses as a list, and so do pairs whose scores
+    # a penalty may have turned around.
+    pairs = not args.missing_eos_penalty and all(
+        row["fields"] == ["chosen", "rejected"] for row in rows
+    )
     for row in (tokens[i] for i in range(min(args.show, len(tokens)))):
         shown = {"prompt": tokenizer.decode(row["prompt"])}
         if pairs:

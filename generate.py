@@ -626,8 +626,8 @@ def raise_parse_error(event) -> None:
     if isinstance(event, tyro._errors.UnrecognizedArgs):
         raise ValueError(f"unrecognized {' '.join(event.tokens)} (--help lists the flags)")
     if isinstance(event, tyro._errors.InstantiationFailure) and flag:
-        # The value is the last quoted one in the type's message ("... to float: 'abc'").
-        value = re.findall(r"'([^']*)'", event.message.splitlines()[0])[-1:] or [""]
+        # The value is what the type's message quotes ("... to float: 'abc'"; "it's" in double).
+        value = re.findall(r"""["'](.*)["']""", event.message.splitlines()[0]) or [""]
         kind = str(flag.lowered.metavar).replace("{None}|", "")
         raise ValueError(f"{name}cannot read {value[0]!r} as {kind}")
     if isinstance(event, tyro._errors.InstantiationFailure):

@@ -46,7 +46,7 @@ class LoraConfig:
     def __post_init__(self):
         if self.lora_rank < 0:
             raise ValueError(f"--lora-rank must be >= 0, got {self.lora_rank}")
-        if not self.lora_alpha > 0:
+        if not 0 < self.lora_alpha < float("inf"):
             raise ValueError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")

@@ -202,8 +202,16 @@ class LossConfig:
             raise ValueError(
                 f"--loss-weights: {len(self.loss_weights)} weights for {len(self.loss)} --loss"
             )
-        if not self.beta > 0:
-            raise ValueError(f"--beta must be > 0, got {self.beta}")
+        if not 0 < self.beta < math.inf:
+            raise ValueError(f"--beta must be a finite number > 0, got {self.beta}")
+        if not all(
+            map(math.isfinite, (*self.loss_weights, self.simpo_gamma, self.f_alpha_divergence_coef))
+        ):
+            raise ValueError(
+                "--loss-weights, --simpo-gamma and --f-alpha-divergence-coef must be finite "
+                f"numbers, got {list(self.loss_weights)}, {self.simpo_gamma} and "
+                f"{self.f_alpha_divergence_coef}"
+            )
         if not 0 <= self.label_smoothing < 0.5:
             raise ValueError(f"--label-smoothing must be in [0, 0.5), got {self.label_smoothing}")
         if not self.discopop_tau > 0:

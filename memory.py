@@ -92,7 +92,7 @@ class PlanConfig:
     def __post_init__(self):
         if self.plan_gpus is not None and self.plan_gpus < 1:
             raise ValueError(f"--plan-gpus must be >= 1, got {self.plan_gpus}")
-        if self.gpu_memory is not None and not self.gpu_memory > 0:
+        if self.gpu_memory is not None and not 0 < self.gpu_memory < float("inf"):
             raise ValueError(f"--gpu-memory must be > 0 GB, got {self.gpu_memory}")
         if self.plan_responses < 2:
             raise ValueError(f"--plan-responses must be >= 2, got {self.plan_responses}")

@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_flatten
 
 import train_dpo
 import batches
+import checkpoint
 import data
 import fsdp_setup
 import generate
@@ -1539,6 +1540,20 @@ def test_responses_cut_short_get_no_eos_and_lose_the_missing_eos_penalty(tmp_pat
     shown = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert "cut" not in shown[0] and shown[1]["cut"] == [True, False]
     assert [r["score"] for r in shown[1]["responses"]] == [-1.0, 0.0]
+    # A pair file: the penalty turns a pair around (shown then by score, not as chosen and
+    # rejected), or ties it, which drops it.
+    pair = _write_jsonl(
+        tmp_path / "pair.jsonl",
+        [{"prompt": "Q:", "chosen": " ab", "rejected": " cd", "cut": [True, False]}],
+    )
+    data.inspect([pair, "--model", "tiny", "--show", "1", "--missing-eos-penalty", "2"])
+    shown = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert [(r["score"], r["text"]) for r in shown["responses"]] == [
+        (-1.0, " ab"),
+        (0.0, " cd</s>"),
+    ]
+    _, summary = tokenize_rows(read_rows(pair), tok, DataConfig(missing_eos_penalty=1))
+    assert summary["dropped_tied"] == 1 and summary["rows"] == 0
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "Q", "responses": ["a", "b"], "scores": [1, 0], "cut": [1, 0]}\n')
     with pytest.raises(DataError, match=r"bad.jsonl:1: field 'cut' must be a list of 2 booleans"):
@@ -4674,11 +4689,16 @@ def test_wpo_log_weights_and_ld_dpo_sums_match_a_naive_full_softmax_with_gradien
         (["--micro-batch-size", "x"], "error: --micro-batch-size: cannot read 'x' as INT|{auto}"),
         (["--nonsense"], "error: unrecognized --nonsense (--help lists the flags)"),
         (["--max-steps"], "error: Missing value for argument '--max-steps'"),
-        (["--lr", "-1"], "error: --lr must be >= 0, got -1.0"),
-        (["--weight-decay", "nan"], "error: --weight-decay must be >= 0, got nan"),
+        (["--lr", "-1"], "error: --lr must be a finite number >= 0, got -1.0"),
+        (["--weight-decay", "nan"], "error: --weight-decay must be a finite number >= 0, got nan"),
         (["--seed", str(2**64)], "error: --seed must be in [0, 2^63), got 18446744073709551616"),
         (["--sample-temperature", "nan"], "error: --sample-temperature must be >= 0, got nan"),
-        (["--missing-eos-penalty", "-1"], "error: --missing-eos-penalty must be >= 0, got -1.0"),
+        (["--missing-eos-penalty", "inf"], "error: --missing-eos-penalty must be a finite number"),
+        (["--lr", "inf"], "error: --lr must be a finite number >= 0, got inf"),
+        (
+            ["--loss-weights", "nan"],
+            "error: --loss-weights, --simpo-gamma and --f-alpha-divergence",
+        ),
     ],
 )
 def test_invalid_flags_fail_with_one_line_and_exit_2(argv, message, capsys):
@@ -4688,6 +4708,20 @@ def test_invalid_flags_fail_with_one_line_and_exit_2(argv, message, capsys):
     assert (
         e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err
     ), err
+
+
+def test_a_run_refuses_an_out_dir_it_cannot_make_and_makes_nothing_to_check_it(tmp_path):
+    """The nearest folder above the run's checkpoints that exists must be a folder: an --out-dir
+    that is a file, or lies under one, is refused naming both; a new nested one is made by no
+    check (nothing is half-written by a run that fails later)."""
+    (tmp_path / "file").write_text("not a folder")
+    for out in (tmp_path / "file", tmp_path / "file" / "sub"):
+        with pytest.raises(ValueError) as info:
+            checkpoint.resume_state(str(out / "checkpoints"), None, {}, {})
+        assert str(info.value) == f"{out}: a run cannot make its folder in {tmp_path / 'file'}"
+    new = tmp_path / "new" / "deeper"
+    assert checkpoint.resume_state(str(new / "checkpoints"), None, {}, {}) is None
+    assert not (tmp_path / "new").exists()
 
 
 def test_help_says_what_each_group_sets_and_no_default_is_none(capsys, monkeypatch):
@@ -5013,10 +5047,11 @@ def test_the_default_run_trains_the_demo_sft_stage_once_resuming_it_then_dpo_fro
             evals = read_metrics(out, "eval")
             assert [r["step"] for r in evals] == [0, 1, 2]
             shares = [r["samples/preferred"] for r in evals]
-            best = shares.index(max(shares))  # the first of equals
+            best = evals[shares.index(max(shares))]  # the first of equals
             assert err[-1].startswith(
                 f"demo: the scorer prefers {shares[0]:.0%} of samples at step 0 and "
-                f"{shares[-1]:.0%} at step 2 (best {shares[best]:.0%}, at step {best}); 'Review the"
+                f"{shares[-1]:.0%} at step 2 (best {max(shares):.0%}, at step {best['step']}); "
+                "'Review the"
             )
     assert real(False, "tiny", ("demo",), True, cache) == {}
     assert real(True, "gpt2", ("demo",), True, cache) == {}
@@ -5235,7 +5270,7 @@ def test_lora_run_starts_at_ln2_checkpoints_only_adapters_and_exports_a_peft_fol
             )
     # The tiny base, saved nowhere else, lies beside the adapters: the folder alone loads, offline,
     # and computes what the adapters on the tiny model of --seed 0 compute, bit for bit.
-    assert config["base_model_name_or_path"] == final
+    assert config["base_model_name_or_path"] == os.path.abspath(final)  # from any folder
     alone = transformers.AutoModelForCausalLM.from_pretrained(final, local_files_only=True)
     x = torch.tensor([list(range(3, 40))])
     with torch.no_grad():

@@ -120,12 +120,14 @@ class Config:
             self.lr = 1e-3
         elif self.lr is None:
             self.lr = 5e-6 if self.lora.lora_rank else 5e-7
-        if not self.lr >= 0:
-            raise ValueError(f"--lr must be >= 0, got {self.lr}")
+        if not 0 <= self.lr < float("inf"):
+            raise ValueError(f"--lr must be a finite number >= 0, got {self.lr}")
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"--seed must be in [0, 2^63), got {self.seed}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if not 0 <= self.weight_decay < float("inf"):
+            raise ValueError(
+                f"--weight-decay must be a finite number >= 0, got {self.weight_decay}"
+            )
         if self.lora.lora_rank and self.objective.sync_ref_model:
             raise ValueError(
                 "--sync-ref-model: with --lora-rank the reference is the base model, which never "
@@ -791,7 +793,7 @@ def export_final(run: Run, log: metrics.RunLog) -> None:
             run.policy,
             final,
             {k: fetch().to("cpu", dtype) for k, tensor, fetch in entries if tensor.requires_grad},
-            final if run.cfg.model == "tiny" else run.cfg.model,
+            os.path.abspath(final) if run.cfg.model == "tiny" else run.cfg.model,
             share=False,
         )
     elif run.cfg.lora.lora_rank:
