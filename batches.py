@@ -124,6 +124,14 @@ class RowBatch:
     segment_ids: torch.Tensor | None = None
     """Shared rows: (B, T) int64, 0 on the prompt, k on the k-th response, -1 on padding. A token
     sees the earlier tokens of the prompt and of its own segment."""
+    desirable: torch.Tensor | None = None
+    """(R - mismatched,) bool: each scored response's label for an unpaired loss (labels)."""
+    mismatched: int = 0
+    """How many of the R responses, the last ones, are KTO's mismatched completions: a row's
+    responses past its scores (data.with_mismatched), for the KL estimate alone."""
+    scored_prompts: int = 0
+    """ORPO's: B where each row's prompt is scored too, its tokens but the first, after the R
+    responses (response_lengths and the scored tokens hold B more segments); else 0."""
 
     def to(self, device: torch.device) -> "RowBatch":
         moved = {
@@ -154,27 +162,51 @@ def row_pairs(scores: list[float], pairs: str = "all") -> list[tuple[int, int]]:
     return [(best, j) for j in lower]
 
 
+def labels(scores: list[float]) -> list[bool]:
+    """Whether each of a row's responses is desirable, for an unpaired loss (kto): scored above
+    the row's mean; in a row of one score (an unpaired file's, whose scores are its labels, 1 or
+    0), scored 1. A pair file's chosen responses are desirable, its rejected ones not."""
+    mean = sum(scores) / len(scores)
+    if min(scores) == max(scores):
+        return [s == 1 for s in scores]
+    return [s > mean for s in scores]
+
+
 def best_response(scores: list[float]) -> int:
     """The position of a row's best-scored response (the first of tied bests)."""
     return max((i for i, s in enumerate(scores) if not math.isnan(s)), key=scores.__getitem__)
 
 
 def collate_rows(
-    rows: list[dict], pad_id: int, share_prompt: bool = False, pairs: str = "all", best_only=False
+    rows: list[dict],
+    pad_id: int,
+    share_prompt: bool = False,
+    pairs: str = "all",
+    best_only=False,
+    score_prompts=False,
 ) -> RowBatch:
     """Lay out B rows ({"prompt", "responses", "scores"}) as a RowBatch on the host (RowBatch.to
     moves it): a row per response [prompt | response], or with `share_prompt` a row per prompt
     [prompt | r1 | ... | rK]; T the longest. `pairs`: which pairs each row gives (row_pairs);
-    `best_only` (SFT): each row's best response alone, and no pairs."""
+    `best_only` (SFT): each row's best response alone, and no pairs; `score_prompts` (ORPO): each
+    prompt's tokens but its first scored too, after the responses' (scored_prompts)."""
     host = torch.device("cpu")
-    kept = [list(range(len(row["responses"]))) for row in rows]
+    kept = [list(range(len(row["scores"]))) for row in rows]
     if best_only:
         kept = [[best_response(row["scores"])] for row in rows]
+    # KTO's mismatched completions: a row's responses past its scores.
+    extra = [list(range(len(row["scores"]), len(row["responses"]))) for row in rows]
     # (row, column) of the R responses, column after column: a pair file's are all its chosen
-    # responses, then all its rejected ones.
+    # responses, then all its rejected ones; then the mismatched ones, alike.
     responses = [
-        (b, ks[n]) for n in range(max(map(len, kept))) for b, ks in enumerate(kept) if n < len(ks)
+        (b, ks[n])
+        for group in (kept, extra)
+        for n in range(max(map(len, group)))
+        for b, ks in enumerate(group)
+        if n < len(ks)
     ]
+    mismatched = sum(map(len, extra))
+    kept = [ks + more for ks, more in zip(kept, extra)]
     # Each layout row: its prompt's row, then the responses it holds.
     layout = [(b, [(b, k) for k in ks]) for b, ks in enumerate(kept)]
     if not share_prompt:
@@ -192,6 +224,9 @@ def collate_rows(
     index = {}
     for r, (b, held) in enumerate(layout):
         prompt = rows[b]["prompt"]
+        if score_prompts and (b, None) not in index:
+            # ORPO's NLL: the prompt's tokens but its first, on the prompt's first layout row.
+            index[b, None] = list(range(r * width, r * width + len(prompt) - 1))
         start = 0
         for segment, tokens in enumerate([prompt, *(rows[b]["responses"][k] for _, k in held)]):
             end = start + len(tokens)
@@ -217,12 +252,16 @@ def collate_rows(
     chosen = [place[b, i] for b, (i, _) in found]
     rejected = [place[b, j] for b, (_, j) in found]
     most = max(len(row["scores"]) for row in rows)
+    # The scored segments: the responses, then (score_prompts) each row's prompt.
+    segments = [(rows[b]["responses"][k], index[b, k]) for b, k in responses]
+    if score_prompts:
+        segments += [(rows[b]["prompt"][1:], index[b, None]) for b in range(len(rows))]
     return RowBatch(
         input_ids,
         (segment_ids >= 0).long(),
-        torch.tensor(lengths, device=host),
-        torch.tensor([i for response in responses for i in index[response]], device=host),
-        torch.tensor([t for b, k in responses for t in rows[b]["responses"][k]], device=host),
+        torch.tensor([len(tokens) for tokens, _ in segments], device=host),
+        torch.tensor([i for _, at in segments for i in at], device=host),
+        torch.tensor([t for tokens, _ in segments for t in tokens], device=host),
         torch.tensor(chosen, dtype=torch.long, device=host),
         torch.tensor(rejected, dtype=torch.long, device=host),
         sum(lengths[i] + lengths[j] for i, j in zip(chosen, rejected)),
@@ -235,6 +274,13 @@ def collate_rows(
         ),
         position_ids if share_prompt else None,
         segment_ids if share_prompt else None,
+        torch.tensor(
+            [labels(rows[b]["scores"])[k] for b, k in responses[: len(responses) - mismatched]],
+            dtype=torch.bool,
+            device=host,
+        ),
+        mismatched,
+        len(rows) if score_prompts else 0,
     )
 
 
@@ -275,17 +321,20 @@ def row_lengths(row_lens: torch.Tensor) -> list[int]:
     return row_lens.sum(1).tolist()
 
 
-def pair_counts(rows, idx: list[int], pairs: str, best_only: bool = False) -> tuple[int, int]:
+def pair_counts(
+    rows, idx: list[int], pairs: str, best_only: bool = False, score_prompts: bool = False
+) -> tuple[int, int]:
     """(pairs, their preferred responses' tokens) of rows[idx] (data.RowTokens: its scores and
     lengths), on the host with no forward: what a step's means are over. `best_only` (SFT alone):
-    each row's best response stands for its one pair."""
+    each row's best response stands for its one pair. `score_prompts` (ORPO, whose NLL counts them
+    too): each pair's prompt tokens but the first count among its preferred tokens."""
     count = tokens = 0
     for i in idx:
         lengths = rows.lengths[i].tolist()
         scores = rows.scores[i].tolist()
         found = [(best_response(scores), None)] if best_only else row_pairs(scores, pairs)
         count += len(found)
-        tokens += sum(lengths[1 + c] for c, _ in found)
+        tokens += sum(lengths[1 + c] + score_prompts * (lengths[0] - 1) for c, _ in found)
     return count, tokens
 
 
@@ -330,7 +379,7 @@ def rank_share(batch: list[int], rank: int, world_size: int) -> list[int]:
 
 def micro_batches(rows, idx: list[int], micro_batch_size: int, pad_id: int, device, **layout):
     """(indices, RowBatch on `device`) for each micro-batch of rows[idx], in order; `layout`:
-    collate_rows' share_prompt, pairs, best_only."""
+    collate_rows' share_prompt, pairs, best_only, score_prompts."""
     for s in range(0, len(idx), micro_batch_size):
         mine = idx[s : s + micro_batch_size]
         yield mine, collate_rows([rows[i] for i in mine], pad_id, **layout).to(device)
@@ -361,7 +410,8 @@ def response_table(
     """A row_table of fn(batch)'s values: (N, K) from (R,) per-response ones, or with `per_pair`
     (N, K, K) from (2P,) [chosen; rejected] pair sides (table_entries); K the rows' most
     responses. table_rows reads it back."""
-    most = rows.scores.shape[1]
+    # A row's responses: its scored ones, then any mismatched ones (data.with_mismatched).
+    most = rows.lengths.shape[1] - 1
     shape = (most, most) if per_pair else (most,)
 
     def entries(idx, batch):  # (B, *shape)

@@ -46,6 +46,8 @@ _JSON_KINDS = {
 # makes higher better, whether string prompts and responses are a user's request and a chat model's
 # answers, rendered by the chat template). The first whose fields a row has wins.
 _K_SHAPES = (
+    # TRL's unpaired rows, once _unpaired has made them rows of one response, scored 1 or 0.
+    ("prompt", "completion", None, "label", 1, False),
     ("prompt", "responses", None, "scores", 1, False),
     # RLHFlow's online-RLHF: prompts already rendered by the chat template.
     ("prompt", "responses", None, "rewards", 1, False),
@@ -155,6 +157,8 @@ def read_rows(spec: str) -> list[dict]:
                 f"{where}: expected an object with fields chosen, rejected (and prompt); got "
                 f"{type(row).__name__}"
             )
+        if "completion" in row or "label" in row:
+            row = _unpaired(row, where)
         # A row with a shape's responses but not its scores takes the first such shape, whose
         # error then names the scores it lacks.
         shape = next(
@@ -288,7 +292,44 @@ def read_rows(spec: str) -> list[dict]:
                 "where": where,
             }
         )
+    if first[1].endswith("'label'"):
+        rows = _by_prompt(rows, spec)
     return rows
+
+
+def _unpaired(row: dict, where: str) -> dict:
+    """TRL's unpaired row {"prompt", "completion", "label"} as a row of one response, scored 1
+    (desirable) or 0."""
+    for name in ("prompt", "completion", "label"):
+        if row.get(name) is None:
+            raise DataError(
+                f"{where}: missing field '{name}' (an unpaired row has prompt, completion and "
+                "label)"
+            )
+    if not isinstance(row["label"], bool):
+        raise DataError(
+            f"{where}: field 'label' must be true or false, got {json.dumps(row['label'])[:80]}"
+        )
+    return {**row, "completion": [row["completion"]], "label": [float(row["label"])]}
+
+
+def _by_prompt(rows: list[dict], spec: str) -> list[dict]:
+    """Unpaired rows as a row per prompt (where it first appears), its labelled responses in file
+    order; DataError unless both labels occur."""
+    grouped = {}
+    for row in rows:
+        key = json.dumps(row["prompt"])
+        if key not in grouped:
+            grouped[key] = {**row, "responses": [], "scores": [], "cut": [], "unpaired": True}
+        for name in ("responses", "scores", "cut"):
+            grouped[key][name] += row[name]
+    labels = {score for row in rows for score in row["scores"]}
+    if len(labels) < 2:
+        raise DataError(
+            f"{spec}: every label is {str(1.0 in labels).lower()}; an unpaired loss needs "
+            "desirable and undesirable responses both"
+        )
+    return list(grouped.values())
 
 
 def _read_source(spec: str) -> list[tuple[str, object]]:
@@ -474,13 +515,35 @@ class RowTokens:
     def __getitem__(self, i: int) -> dict[str, list]:
         p, *sizes = self.lengths[i].tolist()
         scores = self.scores[i][~self.scores[i].isnan()].tolist()
-        ends = list(itertools.accumulate(sizes[: len(scores)], initial=p))
+        # Every response has a token at least: 0 is padding.
+        ends = list(itertools.accumulate([n for n in sizes if n], initial=p))
         row = self.ids[self._starts[i] : self._starts[i + 1]].tolist()
         return {
             "prompt": row[:p],
             "responses": [row[a:b] for a, b in zip(ends, ends[1:])],
             "scores": scores,
         }
+
+
+def with_mismatched(tokens: RowTokens) -> RowTokens:
+    """KTO's rows: each row's responses, then as many mismatched completions, each the completion
+    before one of its responses in the split's order (the first row's first takes the last row's
+    last). TRL's KTOTrainer pairs them so within each batch, in file order: with every row in one
+    batch, the same pairs."""
+    rows = [tokens[i] for i in range(len(tokens))]
+    flat = [response for row in rows for response in row["responses"]]
+    previous = iter(flat[-1:] + flat[:-1])
+    ids, lengths = [], []
+    width = 1 + 2 * tokens.scores.shape[1]
+    for row in rows:
+        parts = [row["prompt"], *row["responses"], *(next(previous) for _ in row["responses"])]
+        ids += [t for part in parts for t in part]
+        lengths.append([len(part) for part in parts] + [0] * (width - len(parts)))
+    return RowTokens(
+        torch.tensor(ids, dtype=torch.int32),
+        torch.tensor(lengths, dtype=torch.long).view(-1, width),
+        tokens.scores,
+    )
 
 
 def synthetic_rows(n: int, prompt: int, length: int, k: int) -> RowTokens:
@@ -531,7 +594,7 @@ def tokenize_rows(
         }
         if not all(map(math.isfinite, row["scores"])):
             counts["dropped_unscored"] += 1
-        elif len(set(row["scores"])) < 2:
+        elif len(set(row["scores"])) < 2 and not row.get("unpaired"):
             counts["dropped_tied"] += 1
         else:
             scored.append(row)
@@ -573,6 +636,8 @@ def tokenize_rows(
                 config,
                 counts,
                 raw,
+                # An unpaired row's responses stand alone: one is enough.
+                1 if row.get("unpaired") else 2,
             )
             if kept:
                 flat += kept[0] + [t for r, _ in kept[1] for t in r]
@@ -593,6 +658,7 @@ def tokenize_rows(
     )
     return tokens, {
         "rows": len(tokens),
+        "unpaired": any(row.get("unpaired") for row in rows),
         "pairs": _pairs_by_choice(tokens.scores),
         "responses": int(tokens.lengths[:, 1:].count_nonzero()),
         "dropped": sum(v for k, v in counts.items() if k.startswith("dropped_")),
@@ -629,17 +695,18 @@ def _truncate(
     config: DataConfig,
     counts: dict,
     raw: dict,
+    need: int = 2,
 ) -> tuple[list[int], list[tuple[list[int], float]]] | None:
     """(prompt, [(response, score)]) cut to config's limits, without empty responses or repeats of
-    an earlier one (counted); None when fewer than two distinct scores are left (counted)."""
+    an earlier one (counted); None when fewer than `need` distinct scores are left (counted)."""
     # Nothing, or nothing but EOS: no answer to rank.
     kept = [(r, score) for r, score in zip(responses, scores) if r not in ([], [eos_id])]
     counts["empty_responses"] += len(responses) - len(kept)
-    if len({score for _, score in kept}) < 2:
+    if len({score for _, score in kept}) < need:
         counts["dropped_empty"] += 1
         return None
     kept = _distinct(kept, counts)
-    if len({score for _, score in kept}) < 2:
+    if len({score for _, score in kept}) < need:
         counts["dropped_identical"] += 1
         return None
     longest = max(len(r) for r, _ in kept)
@@ -661,7 +728,7 @@ def _truncate(
     counts["truncated_responses"] += int(longest > room)
     # Responses that differ only past the cut teach nothing either.
     kept = _distinct([(r[:room], score) for r, score in kept], counts)
-    if len({score for _, score in kept}) < 2:
+    if len({score for _, score in kept}) < need:
         counts["dropped_identical"] += 1
         counts["identical_after_truncation"] += 1
         return None
@@ -685,7 +752,8 @@ def _pairs_by_choice(scores: torch.Tensor) -> dict[str, int]:
     return {
         "all": int((scores[:, :, None] > scores[:, None, :]).sum()),
         "best-vs-rest": int((scores < best).sum()),
-        "best-vs-worst": len(scores),
+        # Rows of two scores or more (an unpaired row may hold one).
+        "best-vs-worst": int((best[:, 0] > scores.nan_to_num(math.inf).amin(1)).sum()),
     }
 
 
@@ -856,7 +924,8 @@ def inspect(argv: list[str] | None = None) -> None:
     the tokens that will be trained, then one JSON summary line (its "pairs": how many each
     --pairs draws). A pair file's rows show as {"prompt", "chosen", "rejected"}, rows of K scored
     responses as {"prompt", "responses": [{"score", "text"}, ...]}; either with "cut", a bool per
-    response, where any ends without EOS."""
+    response, where any ends without EOS; an unpaired file's as a line {"prompt", "completion",
+    "label"} per response, each row's responses together."""
     parser = argparse.ArgumentParser(prog="data.py", description=inspect.__doc__.split(":")[0])
     parser.add_argument(
         "path", help="file(s) (comma-separated), hub:NAME[:SPLIT] or hub:NAME:CONFIG:SPLIT"
@@ -898,7 +967,10 @@ def inspect(argv: list[str] | None = None) -> None:
         row["fields"] == ["chosen", "rejected"] for row in rows
     )
     for row in (tokens[i] for i in range(min(args.show, len(tokens)))):
-        shown = {"prompt": tokenizer.decode(row["prompt"])}
+        prompt = tokenizer.decode(row["prompt"])
+        # As a row says it: which responses end without EOS (cut short, or by --max-length).
+        cut = [ids[-1] != tokenizer.eos_token_id for ids in row["responses"]]
+        shown = {"prompt": prompt}
         if pairs:
             shown["chosen"], shown["rejected"] = map(tokenizer.decode, row["responses"])
         else:
@@ -907,11 +979,18 @@ def inspect(argv: list[str] | None = None) -> None:
                 {"score": float(f"{score:.7g}"), "text": tokenizer.decode(ids)}
                 for ids, score in zip(row["responses"], row["scores"])
             ]
-        # As a row says it: which responses end without EOS (cut short, or by --max-length).
-        cut = [ids[-1] != tokenizer.eos_token_id for ids in row["responses"]]
         if any(cut):
             shown["cut"] = cut
-        print(json.dumps(shown, ensure_ascii=False))
+        lines = [shown]
+        if summary["unpaired"]:
+            # A line per labelled response, as TRL's unpaired rows are written.
+            lines = [
+                {"prompt": prompt, "completion": tokenizer.decode(ids), "label": score == 1}
+                | ({"cut": [True]} if c else {})
+                for ids, score, c in zip(row["responses"], row["scores"], cut)
+            ]
+        for line in lines:
+            print(json.dumps(line, ensure_ascii=False))
     print(json.dumps(summary))
 
 

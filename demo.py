@@ -88,6 +88,17 @@ def demo_pairs(split: str) -> list[dict[str, str]]:
     return pairs
 
 
+def demo_unpaired() -> list[dict]:
+    """The "train" split's reviews as thumbs up or down, with no pairing: each prompt keeps one of
+    its two reviews, a coin flip deciding which; praise is labelled true, criticism false."""
+    rng = random.Random("demo-kto")
+    rows = []
+    for pair in demo_pairs("train"):
+        side = rng.choice(("chosen", "rejected"))
+        rows.append({"prompt": pair["prompt"], "completion": pair[side], "label": side == "chosen"})
+    return rows
+
+
 def score_completion(text: str) -> int:
     """The demo's ground truth for a generated review: +1 in the chosen style (praise or "5/5", no
     criticism), -1 in the rejected style (criticism or "1/5", no praise), 0 for neither or both."""
@@ -101,13 +112,15 @@ def score_response(prompt: str, completion: str) -> float:
 
 
 def demo_files(folder: str, write_jsonl) -> dict[str, str]:
-    """{split: path} of the demo's "train", "eval" and "sft" splits as JSON Lines files in `folder`,
-    each written by write_jsonl(path, pairs) unless it is there already."""
-    files = {
-        split: os.path.join(folder, f"demo-{split}.jsonl") for split in ("train", "eval", "sft")
-    }
+    """{split: path} of the demo's "train", "eval" and "sft" splits and its unpaired "kto" rows
+    (demo_unpaired) as JSON Lines files in `folder`, each written by write_jsonl(path, rows)
+    unless it is there already."""
+    splits = ("train", "eval", "sft", "kto")
+    files = {split: os.path.join(folder, f"demo-{split}.jsonl") for split in splits}
     for split, path in files.items():
-        if not os.path.exists(path):
+        if not os.path.exists(path) and split == "kto":
+            write_jsonl(path, demo_unpaired())
+        elif not os.path.exists(path):
             write_jsonl(path, demo_pairs(split))
     return files
 
@@ -121,7 +134,7 @@ def warm_start(enabled: bool, model: str, data: tuple, pairwise: bool, cache_dir
     DPO alone writes gibberish; the SFT stage (SFT on "sft", the coin-flip split) writes both styles
     of review, as a base model would, and DPO from it visibly moves its samples toward the chosen
     style."""
-    if not enabled or model != "tiny" or data not in ((), ("demo",)) or not pairwise:
+    if not enabled or model != "tiny" or data not in ((), ("demo",), ("demo:kto",)) or not pairwise:
         return {}
     folder = os.path.join(cache_dir, "demo-sft")
     stages = {
@@ -144,6 +157,9 @@ def warm_start(enabled: bool, model: str, data: tuple, pairwise: bool, cache_dir
         *("--model", stages["model"], "--lr", "3e-5", "--beta", "0.5", "--eval-every", "16"),
         *("--num-samples", "32", "--sample-temperature", "1"),
     ]
+    if data == ("demo:kto",):
+        # Its 2048 reviews share 319 prompts, a row each: 7 epochs for the DPO demo's 64 steps.
+        stages["then"] += ["--epochs", "7"]
     return stages
 
 
@@ -179,11 +195,12 @@ def what_moved(evaluations: list[tuple[int, float, dict]]) -> str:
 
 def demo_config(dataset, write_jsonl) -> tuple:
     """(config, is the demo) for a data.DataConfig: one that names data comes back as it is, with
-    False; the demo's (no --data, demo or demo:sft) comes back naming the demo's files in its
-    cache_dir, written there once, with True."""
-    if dataset.data not in ((), ("demo",), ("demo:sft",)):
+    False; the demo's (no --data, demo, demo:sft or demo:kto) comes back naming the demo's files in
+    its cache_dir, written there once, with True."""
+    if dataset.data not in ((), ("demo",), ("demo:sft",), ("demo:kto",)):
         return dataset, False
     files = demo_files(dataset.cache_dir, write_jsonl)
     evals = dataset.eval_data or (() if dataset.eval_fraction else (files["eval"],))
-    split = "sft" if dataset.data == ("demo:sft",) else "train"
+    # demo:sft and demo:kto name their split; none given, or demo, is "train".
+    split = "".join(dataset.data).removeprefix("demo:").removeprefix("demo") or "train"
     return replace(dataset, data=(files[split],), eval_data=evals), True

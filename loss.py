@@ -41,6 +41,10 @@ References
 - Plackett-Luce DPO: Rafailov et al. 2023, https://arxiv.org/abs/2305.18290 (App. A.3).
 - InfoNCA, NCA (listwise): Chen et al. 2024, https://arxiv.org/abs/2402.05369 (Sec. 3 and 4).
 - LiPO-lambda: Liu et al. 2024, https://arxiv.org/abs/2402.01878.
+- KTO: Ethayarajh et al. 2024, https://arxiv.org/abs/2402.01306 (Eq. 7; TRL's KTOTrainer).
+- ORPO: Hong et al. 2024, https://arxiv.org/abs/2403.07691 (Eq. 6-7; TRL's ORPOTrainer).
+- CPO: Xu et al. 2024, https://arxiv.org/abs/2401.08417 (Eq. 3; TRL's CPOTrainer: --ref none).
+- AlphaPO: Gupta et al. 2025, https://arxiv.org/abs/2501.03884.
 """
 
 import contextlib
@@ -51,6 +55,7 @@ from types import SimpleNamespace
 from typing import Literal, get_args
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
@@ -77,6 +82,9 @@ LossType = Literal[
     "infonca",
     "nca",
     "lipo",
+    "kto",
+    "apo_zero_unpaired",
+    "orpo",
 ]
 IGNORE_INDEX = -100
 # TRL's names for ours: resolved in LossConfig, so that checkpoints hold the canonical name.
@@ -86,11 +94,13 @@ _ALIASES = {"sigmoid": "dpo"}
 # recomputation in backward costs more time than the memory it saves is worth (BENCHMARKS.md).
 FUSED_HEAD_ON_CPU = False
 # Losses that never look at a reference model.
-_REFERENCE_FREE = {"simpo", "sft"}
+_REFERENCE_FREE = {"simpo", "sft", "orpo"}
 # Losses of a prompt's K responses at once (row_loss), not of its pairs.
 _LISTWISE = {"plackett_luce", "infonca", "nca", "lipo"}
+# Losses of each response alone, by its label (unpaired_loss), not of pairs.
+_UNPAIRED = {"kto", "apo_zero_unpaired"}
 # Losses defined on length-averaged log-probs.
-_AVERAGED = {"simpo", "dpo_norm"}
+_AVERAGED = {"simpo", "dpo_norm", "orpo"}
 # The losses f-DPO has a form for.
 _F_DIVERGENCE = {"dpo", "dpo_norm", "ipo", "hinge", "robust", "exo_pair", "discopop", "sft"}
 # Model config fields that reshape the logits after the output layer: its result must stay logits.
@@ -138,9 +148,11 @@ class LossConfig:
     loss: tuple[LossType, ...] = ()
     """dpo (when none is given; cDPO with --label-smoothing; sigmoid, TRL's name, is dpo), a
     DPO-family loss on pairs (see loss.py), or sft (chosen token-mean NLL). Repeat for a weighted
-    sum (TRL's loss_type list; MPO: --loss dpo --loss bco_pair --loss sft). simpo and sft are
-    reference-free. plackett_luce, infonca, nca and lipo are listwise: each takes a prompt's whole
-    row of K scored responses at once, not its pairs, and goes alone."""
+    sum (TRL's loss_type list; MPO: --loss dpo --loss bco_pair --loss sft). simpo, sft and orpo
+    (ORPO: its odds-ratio term and its NLL of prompt and chosen response) are reference-free.
+    plackett_luce, infonca, nca and lipo are listwise: each takes a prompt's whole row of K scored
+    responses at once, not its pairs, and goes alone. kto and apo_zero_unpaired take each response
+    alone by its label (thumbs up or down) and go alone too."""
     loss_weights: tuple[float, ...] = ()
     """One weight per --loss, in order (1 each when none is given): the loss is the weighted sum of
     each loss's batch mean. RPO is --loss dpo --loss sft --loss-weights 1 --loss-weights alpha."""
@@ -177,9 +189,17 @@ class LossConfig:
     f_alpha_divergence_coef: float = 0.5
     """alpha of alpha_divergence, f'(u) = (u^(alpha - 1) - 1) / (alpha - 1); alpha = 1 is
     reverse_kl."""
-    ref: Literal["online", "precompute"] = "online"
+    desirable_weight: float = 1.0
+    """KTO's weight on the losses of desirable (thumbs-up) responses."""
+    undesirable_weight: float = 1.0
+    """KTO's weight on the losses of undesirable (thumbs-down) responses."""
+    alphapo_alpha: float = 0.0
+    """AlphaPO (Gupta et al. 2025) with --ref none: a response's reward is (1 - p^-alpha) / alpha
+    of p = e^(its log-prob) instead of the log-prob (TRL CPOConfig's alpha). 0: the log-prob."""
+    ref: Literal["online", "precompute", "none"] = "online"
     """online: a frozen reference runs every batch. precompute: one pass caches its log-probs (no
-    second model)."""
+    second model). none: no reference, its log-probs taken as 0 (CPO: --loss dpo --ref none is
+    CPO's sigmoid loss)."""
     sync_ref_model: bool = False
     """TR-DPO (Gorbatovski et al. 2024): every --ref-model-sync-steps optimizer steps the reference
     becomes alpha policy + (1 - alpha) reference, in its own dtype. Needs an online reference model
@@ -204,13 +224,17 @@ class LossConfig:
             )
         if not 0 < self.beta < math.inf:
             raise ValueError(f"--beta must be a finite number > 0, got {self.beta}")
-        if not all(
-            map(math.isfinite, (*self.loss_weights, self.simpo_gamma, self.f_alpha_divergence_coef))
-        ):
+        finite = (*self.loss_weights, self.simpo_gamma, self.f_alpha_divergence_coef)
+        if not all(map(math.isfinite, (*finite, self.alphapo_alpha))):
             raise ValueError(
-                "--loss-weights, --simpo-gamma and --f-alpha-divergence-coef must be finite "
-                f"numbers, got {list(self.loss_weights)}, {self.simpo_gamma} and "
-                f"{self.f_alpha_divergence_coef}"
+                "--loss-weights, --simpo-gamma, --f-alpha-divergence-coef and --alphapo-alpha must "
+                f"be finite numbers, got {list(self.loss_weights)}, {self.simpo_gamma}, "
+                f"{self.f_alpha_divergence_coef} and {self.alphapo_alpha}"
+            )
+        if not (0 <= self.desirable_weight < math.inf and 0 <= self.undesirable_weight < math.inf):
+            raise ValueError(
+                "--desirable-weight and --undesirable-weight must be finite numbers >= 0, got "
+                f"{self.desirable_weight} and {self.undesirable_weight}"
             )
         if not 0 <= self.label_smoothing < 0.5:
             raise ValueError(f"--label-smoothing must be in [0, 0.5), got {self.label_smoothing}")
@@ -222,11 +246,12 @@ class LossConfig:
             self.label_smoothing > 0,
             self.f_divergence_type != "reverse_kl",
         )
-        if self.listwise and (len(self.loss) > 1 or any(pair_options)):
+        if (self.listwise or self.unpaired) and (len(self.loss) > 1 or any(pair_options)):
             raise ValueError(
                 f"--loss {' '.join(self.loss)}: a listwise loss (plackett_luce, infonca, nca, "
-                "lipo) goes alone, and without the options that act on pairs (--ld-alpha, "
-                "--use-weighting, --label-smoothing, --f-divergence-type)"
+                "lipo) or an unpaired one (kto, apo_zero_unpaired) goes alone, and without the "
+                "options that act on pairs (--ld-alpha, --use-weighting, --label-smoothing, "
+                "--f-divergence-type)"
             )
         if not self.score_temperature > 0:
             raise ValueError(f"--score-temperature must be > 0, got {self.score_temperature}")
@@ -234,10 +259,12 @@ class LossConfig:
             raise ValueError(
                 "--use-weighting and --ld-alpha weigh pairs: they need a preference --loss"
             )
-        if self.ld_alpha is not None and not (0 <= self.ld_alpha <= 1 and "sft" not in self.loss):
+        if self.ld_alpha is not None and not (
+            0 <= self.ld_alpha <= 1 and not {"sft", "orpo"} & set(self.loss)
+        ):
             raise ValueError(
-                "--ld-alpha must be in [0, 1] and goes without --loss sft (whose NLL takes plain "
-                f"log-probs), got {self.ld_alpha} with --loss {' '.join(self.loss)}"
+                "--ld-alpha must be in [0, 1] and goes without --loss sft or orpo (whose NLL takes "
+                f"plain log-probs), got {self.ld_alpha} with --loss {' '.join(self.loss)}"
             )
         if self.use_weighting and {"aot", "aot_pair"} & set(self.loss):
             raise ValueError(
@@ -248,6 +275,13 @@ class LossConfig:
             raise ValueError(
                 f"--f-divergence-type {self.f_divergence_type} goes only with --loss "
                 f"{', '.join(sorted(_F_DIVERGENCE))}, got {' '.join(self.loss)}"
+            )
+        if (self.alphapo_alpha and not self.reference_free) or (
+            self.ref == "none" and (self.unpaired or self.f_divergence_type != "reverse_kl")
+        ):
+            raise ValueError(
+                "--alphapo-alpha goes only with a reference-free loss (--ref none); kto, "
+                "apo_zero_unpaired and --f-divergence-type need a reference"
             )
         if self.sync_ref_model and (self.ref == "precompute" or self.reference_free):
             raise ValueError(
@@ -262,7 +296,7 @@ class LossConfig:
 
     @property
     def reference_free(self) -> bool:
-        return set(self.loss) <= _REFERENCE_FREE
+        return self.ref == "none" or set(self.loss) <= _REFERENCE_FREE
 
     @property
     def pairwise(self) -> bool:
@@ -275,6 +309,12 @@ class LossConfig:
         """True for a loss of all of a prompt's responses at once (row_loss): its unit is the row,
         not the pair."""
         return bool(set(self.loss) & _LISTWISE)
+
+    @property
+    def unpaired(self) -> bool:
+        """True for a loss of each response alone by its label (unpaired_loss): its unit is the
+        response."""
+        return bool(set(self.loss) & _UNPAIRED)
 
     def averages(self, loss_type: str) -> bool:
         """True when `loss_type` takes per-token mean log-probs instead of sums."""
@@ -746,7 +786,7 @@ def pair_logps(
     with --ld-alpha), else the `reference` model (no gradient), else None (reference-free);
     "log_weights" (2P,) WPO's with --use-weighting, else None; "logratios" (R,) each response's
     policy - reference log-prob (None with --ld-alpha, whose log-probs are per pair, or with no
-    reference)."""
+    reference); "responses" the policy's log-probs before they were laid out as pairs."""
     # The reference first, so that its activations are freed before the policy's exist.
     if ref_logps is None and reference is not None:
         with torch.no_grad():
@@ -765,7 +805,21 @@ def pair_logps(
     if objective.use_weighting:
         logps, log_weights = logps
         log_weights = pair_sides(log_weights, batch)
-    out = {"logps": logps, "ref_logps": ref_logps, "log_weights": log_weights, "logratios": None}
+    # ORPO's scored prompts come after the responses: each pair's, for its NLL.
+    prompts = None
+    if batch.scored_prompts:
+        responses = len(batch.response_rows)
+        prompts = logps[responses:][batch.response_rows[batch.chosen_index]]
+        logps = logps[:responses]
+        ref_logps = None if ref_logps is None else ref_logps[:responses]
+    out = {
+        "logps": logps,
+        "ref_logps": ref_logps,
+        "log_weights": log_weights,
+        "logratios": None,
+        "responses": logps,
+        "prompt_logps": prompts,
+    }
     if objective.ld_alpha is None:
         if ref_logps is not None:
             out["logratios"] = logps - ref_logps
@@ -783,9 +837,31 @@ def batch_loss(
     tokens_per_pair: float | None = None,
 ) -> dict[str, torch.Tensor]:
     """The objective on a batches.RowBatch: pair_logps, then pair_loss's (P,) tensors, whose
-    "losses" a listwise objective replaces by row_loss's (B,), one per row; and pair_logps'
-    "logratios" (R,). tokens_per_pair as in pair_loss."""
+    "losses" a listwise objective replaces by row_loss's (B,), one per row, and an unpaired one by
+    unpaired_loss's (R,), one per response; "units" (the row of each loss), "pair_rows" (the row
+    of each pair's values) and pair_logps' "logratios" (R,). An unpaired loss gives its rewards
+    and log-probs per response, NaN off their label ("chosen_*" on desirable responses), with its
+    pairs' rewards (2P,) as "pair_rewards", and "kl". tokens_per_pair as in pair_loss."""
     scored = pair_logps(policy, reference, batch, objective, ref_logps)
+    pair_rows = batch.response_rows[batch.chosen_index]
+    if objective.unpaired:
+        out = unpaired_loss(scored["logratios"], batch, objective)
+        real = len(out["losses"])
+        rewards = out["rewards"]
+        logps = scored["responses"][:real].detach().float()
+        good = batch.desirable
+        return {
+            "losses": out["losses"],
+            "units": batch.response_rows[:real],
+            "pair_rows": batch.response_rows[:real],
+            "chosen_rewards": torch.where(good, rewards, math.nan),
+            "rejected_rewards": torch.where(good, math.nan, rewards),
+            "chosen_logps": torch.where(good, logps, math.nan),
+            "rejected_logps": torch.where(good, math.nan, logps),
+            "pair_rewards": pair_sides(rewards, batch).chunk(2),
+            "kl": out["kl"],
+            "logratios": None,
+        }
     out = pair_loss(
         scored["logps"],
         scored["ref_logps"],
@@ -793,10 +869,71 @@ def batch_loss(
         objective,
         tokens_per_pair,
         scored["log_weights"],
+        scored.get("prompt_logps"),
     )
+    out["units"] = pair_rows
+    out["pair_rows"] = pair_rows
+    if objective.listwise or not objective.pairwise:
+        out["units"] = torch.arange(len(batch.scores), device=pair_rows.device)
     if objective.listwise:
         out["losses"] = row_loss(scored["logratios"], batch, objective)
+    if not objective.pairwise:
+        # SFT alone: each row's best response stands for its one pair, against nothing.
+        out["pair_rows"] = out["units"]
+        out["rejected_rewards"] = None
     return {**out, "logratios": scored["logratios"]}
+
+
+def unpaired_loss(logratios: torch.Tensor, batch, objective: LossConfig) -> dict:
+    """KTO (Ethayarajh et al. 2024, Eq. 7, as TRL's KTOTrainer) or APO-zero-unpaired of a
+    batches.RowBatch's labelled responses, from (R + M,) policy - reference log-probs of its R
+    responses then its M mismatched ones (batch.mismatched; kto only). With h a response's
+    log-ratio, s = sigmoid and z0 the KL estimate (the mismatched log-ratios' mean over this
+    micro-batch, averaged over the ranks, clamped at 0, no gradient; 0 for apo_zero_unpaired),
+    each response by its label (batch.desirable):
+
+        desirable     desirable_weight x (1 - s(beta (h - z0)))
+        undesirable   undesirable_weight x (1 - s(beta (z0 - h)))
+
+    Returns (R,) "losses" and "rewards" (beta h, no gradient) and () "kl" (z0)."""
+    real = len(logratios) - batch.mismatched
+    h = logratios.float()
+    kl = torch.zeros((), device=h.device)
+    if batch.mismatched:
+        kl = h[real:].detach().mean()
+        if dist.is_initialized():
+            # TRL's gather, then mean: each rank's micro-batch mean counts alike.
+            dist.all_reduce(kl)
+            kl = kl / dist.get_world_size()
+        kl = kl.clamp(min=0)
+    desirable = objective.desirable_weight * (1 - torch.sigmoid(objective.beta * (h[:real] - kl)))
+    undesirable = objective.undesirable_weight * (
+        1 - torch.sigmoid(objective.beta * (kl - h[:real]))
+    )
+    return {
+        "losses": torch.where(batch.desirable, desirable, undesirable),
+        "rewards": objective.beta * h[:real].detach(),
+        "kl": kl,
+    }
+
+
+def kto_weight_advice(desirable: int, undesirable: int, objective: LossConfig) -> str:
+    """TRL's advice where desirable and undesirable responses are unbalanced and neither
+    --desirable-weight nor --undesirable-weight lies in the range that makes up for it (KTO paper,
+    Eq. 8); "" where one does."""
+    d = max(desirable, 1)
+    u = max(undesirable, 1)
+    wd = objective.desirable_weight
+    wu = objective.undesirable_weight
+    good = (round(u * wu / d, 2), round(u * wu / d * 1.33, 2))
+    bad = (round(d * wd / u / 1.33, 2), round(d * wd / u, 2))
+    if d == u or good[0] <= wd <= good[1] or bad[0] <= wu <= bad[1]:
+        return ""
+    return (
+        f"{desirable} desirable and {undesirable} undesirable responses: TRL recommends "
+        f"--desirable-weight in [{good[0]}, {good[1]}] or --undesirable-weight in [{bad[0]}, "
+        f"{bad[1]}], not both"
+    )
 
 
 def pair_sides(values: torch.Tensor, batch) -> torch.Tensor:
@@ -812,6 +949,7 @@ def pair_loss(
     objective: LossConfig,
     tokens_per_pair: float | None = None,
     log_weights: torch.Tensor | None = None,
+    prompt_logps: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """(B,) float32 "losses", "chosen_rewards", "rejected_rewards", "chosen_logps", "rejected_logps"
     under `objective` (its --loss-weights sum of losses; rewards and log-probs are its first
@@ -819,7 +957,10 @@ def pair_loss(
     ones 0, not computed) and the reference (None for a reference-free loss); see preference_loss
     for f-DPO. response_lengths: (2B,) tokens per response, for losses on mean log-probs.
     tokens_per_pair: the batch's mean chosen tokens per pair, for sft's NLL. log_weights: (2B,)
-    WPO's (pair_logps), or None; each pair's loss is scaled by exp(its chosen + rejected)."""
+    WPO's (pair_logps), or None; each pair's loss is scaled by exp(its chosen + rejected).
+    prompt_logps: (B,) each pair's prompt's summed log-probs (its tokens but the first), for
+    orpo's NLL, which counts them beside the chosen response's (tokens_per_pair then counts
+    them too)."""
     scores = logps
     ref_scores = ref_logps
     if objective.f_divergence_type != "reverse_kl" and ref_logps is not None:
@@ -835,9 +976,15 @@ def pair_loss(
     for loss_type, weight in zip(objective.loss, objective.loss_weights):
         per_token = response_lengths.clamp(min=1) if objective.averages(loss_type) else 1
         refs = (None, None) if ref_scores is None else (ref_scores / per_token).chunk(2)
+        rewards = scores / per_token
+        if objective.alphapo_alpha:
+            # AlphaPO: (1 - p^-alpha) / alpha of p = e^(log-prob), written so that a summed
+            # log-prob's tiny p does not overflow p^-alpha.
+            alpha = objective.alphapo_alpha
+            rewards = (1 - torch.exp(-alpha * rewards)) / alpha
         # A listwise loss's pairs log dpo's rewards; its losses are row_loss's, per row.
         part, chosen_rewards, rejected_rewards = preference_loss(
-            *(scores / per_token).chunk(2),
+            *rewards.chunk(2),
             *refs,
             loss_type="dpo" if loss_type in _LISTWISE else loss_type,
             beta=objective.beta,
@@ -847,6 +994,8 @@ def pair_loss(
         )
         if loss_type == "sft":
             part = chosen_nll(logps[: len(part)], tokens_per_pair)
+        if loss_type == "orpo":
+            part = part + chosen_nll(logps[: len(part)] + prompt_logps, tokens_per_pair)
         losses = losses + weight * part
         if loss_type == shown and not out:
             chosen, rejected = (logps / per_token).detach().chunk(2)
@@ -875,9 +1024,9 @@ def preference_loss(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair preference losses (not reduced) and implicit rewards (detached: beta * (policy -
     reference)), each (B,) float32. The log-probs are (B,), summed or averaged (simpo, dpo_norm, and
-    ipo by default); the reference ones may be None for a reference-free loss (simpo, sft), taken as
-    0. With c = pi_c - ref_c, r = pi_r - ref_r, h = c - r, z = beta h, eps = label_smoothing and s =
-    sigmoid:
+    ipo by default); the reference ones may be None, taken as 0 (reference-free: simpo, sft, or
+    any loss with --ref none, as CPO's sigmoid, hinge and ipo are dpo, hinge and ipo). With c =
+    pi_c - ref_c, r = pi_r - ref_r, h = c - r, z = beta h, eps = label_smoothing and s = sigmoid:
 
         dpo        -(1 - eps) log s(z) - eps log s(-z)                DPO Eq. 7; cDPO when eps > 0
                    (sigmoid, TRL's name for it, is the same)
@@ -885,7 +1034,8 @@ def preference_loss(
                                                                       by default)
         hinge      max(0, 1 - z)                                      SLiC Eq. 2
         robust     (-(1 - eps) log s(z) + eps log s(-z)) / (1 - 2 eps)   rDPO Eq. 8
-        simpo      -log s(beta (pi_c - pi_r) - simpo_gamma)           SimPO Eq. 6, mean log-probs
+        simpo      dpo's formula on z = beta (pi_c - pi_r) - simpo_gamma   SimPO Eq. 6, mean
+                                                                      log-probs (CPO's simpo)
         exo_pair   s(z) (log s(z) - log(1 - e)) + s(-z) (log s(-z) - log e),
                    e = eps or 1e-3                                    EXO Eq. 16
         nca_pair   -log s(beta c) - log s(-beta c) / 2 - log s(-beta r) / 2   NCA
@@ -901,6 +1051,8 @@ def preference_loss(
                    sorted over the batch                              AOT
         aot_pair   dpo's formula on z = beta (sort(c) - sort(r)), sorted over the batch   AOT
         dpo_norm   dpo on mean log-probs                              Tulu 3
+        orpo       -beta log s(log odds(pi_c) - log odds(pi_r)), log odds(x) = x - log(1 - e^x),
+                   on mean log-probs; pair_loss adds its NLL          ORPO Eq. 6-7
         sft        0: all of SFT's loss is chosen_nll, which pair_loss puts in its place
 
     Around these, in pair_loss and response_logps (TRL's names):
@@ -914,12 +1066,11 @@ def preference_loss(
                        log w = mean_t log p(y_t) - log sum_v p(v)^2 (policy, no grad)   WPO
         ld_alpha       log pi(y) = sum over its first min(|y_c|, |y_r|) tokens
                        + ld_alpha x the rest (policy and reference)          LD-DPO
+        alpha (CPO)    pi -> (1 - e^(-alpha pi)) / alpha, reference-free     AlphaPO
 
     bco_pair, aot and aot_pair compare pairs within the batch, so their value depends on how the
     batch is split into micro-batches."""
     if ref_chosen_logps is None or ref_rejected_logps is None:
-        if loss_type not in _REFERENCE_FREE:
-            raise ValueError(f"loss {loss_type!r} needs reference log-probs")
         ref_chosen_logps = ref_rejected_logps = torch.zeros_like(policy_chosen_logps)
     pc = policy_chosen_logps.float()
     pr = policy_rejected_logps.float()
@@ -939,7 +1090,7 @@ def preference_loss(
     elif loss_type == "robust":
         losses = (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
     elif loss_type == "simpo":
-        losses = -F.logsigmoid(beta * (pc - pr) - simpo_gamma)
+        losses = _dpo(beta * (pc - pr) - simpo_gamma, eps)
     elif loss_type == "exo_pair":
         e = eps or 1e-3  # EXO's epsilon: 1e-3 unless --label-smoothing gives one
         losses = z.sigmoid() * (F.logsigmoid(z) - math.log(1 - e)) + (-z).sigmoid() * (
@@ -966,6 +1117,9 @@ def preference_loss(
         losses = _dpo(beta * ((pc - pr).sort().values - (rc - rr).sort().values), eps)
     elif loss_type == "aot_pair":
         losses = _dpo(beta * (c.sort().values - r.sort().values), eps)
+    elif loss_type == "orpo":
+        # The log odds log(p / (1 - p)) of the mean per-token probability p.
+        losses = -beta * F.logsigmoid((pc - _log1mexp(pc)) - (pr - _log1mexp(pr)))
     elif loss_type == "sft":
         losses = torch.zeros_like(pc)
     else:
@@ -1081,6 +1235,11 @@ def _f_prime(log_ratio: torch.Tensor, kind: str, alpha: float) -> torch.Tensor:
     if kind == "alpha_divergence" and abs(alpha - 1) >= 1e-6:
         return (torch.exp(((alpha - 1) * log_ratio).clamp(max=80)) - 1) * (1 / (alpha - 1))
     return log_ratio
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - e^x) for x <= 0, each way where it keeps its digits (as TRL's ORPO)."""
+    return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 
 def _dpo(z: torch.Tensor, eps: float) -> torch.Tensor:

@@ -41,38 +41,54 @@ PAIR_METRICS = (
 # Of a prompt's K responses: the share of rows whose highest reward is on a best-scored response,
 # and Kendall's tau-b between rewards and scores.
 RANK_METRICS = ("rewards/best_on_top", "rewards/kendall_tau")
-# What row_sums adds up per row: each metric, then the row's pairs and the row itself (1).
-ROW_COLUMNS = len(PAIR_METRICS) + len(RANK_METRICS) + 2
+# Every metric a step or an evaluation can log; "kl" is KTO's reference point, one per micro-batch.
+METRICS = (*PAIR_METRICS, *RANK_METRICS, "kl")
+# What row_sums adds up per row: each metric's sum, then how many values it summed.
+ROW_COLUMNS = 2 * len(METRICS)
 
 
-def row_sums(out: dict, batch, pairwise: bool = True, listwise: bool = False) -> torch.Tensor:
-    """(B, ROW_COLUMNS) per row of a batches.RowBatch: the sums over its pairs of pair_loss's
-    per-pair values ("chosen_rewards", ...: (P,)) and losses, its RANK_METRICS from
-    out["logratios"] ((R,); NaN where it is None), its pair count, and 1. A `listwise` loss gives
-    (B,) losses, one per row; SFT alone (not `pairwise`) gives (B,) everything, each row's best
-    response standing for its one pair. Sum them on the device; reduce once a step."""
+def row_sums(out: dict, batch) -> torch.Tensor:
+    """(B, ROW_COLUMNS) per row of a batches.RowBatch: for each of METRICS the sum of its values
+    in the row, then for each how many values that is (absent or NaN values count none), from
+    loss.batch_loss's `out`: "losses" (U,) at rows "units" (a row per pair, per row for a listwise
+    loss or SFT alone, per response for an unpaired loss); "chosen_rewards", "rejected_rewards",
+    "chosen_logps", "rejected_logps" at rows "pair_rows" (an unpaired loss's: (R,) per response,
+    NaN off its label); "accuracies" and "margins" at "pair_rows" too unless out has its own
+    (P,) "pair_rewards" [chosen; rejected]; RANK_METRICS from "logratios" ((R,), or None); "kl"
+    (one per micro-batch, on its first row). Sum them on the device; reduce once a step."""
     rows = len(batch.scores)
     device = batch.scores.device
-    cr = out["chosen_rewards"]
-    rr = out["rejected_rewards"]
-    pairs = torch.stack(
-        [cr, rr, (cr > rr).float(), cr - rr, out["chosen_logps"], out["rejected_logps"]], dim=1
-    )
-    pair_rows = batch.response_rows[batch.chosen_index]  # (P,)
-    if not pairwise:
-        pair_rows = torch.arange(rows, device=device)
-    losses = out["losses"].detach()
-    if pairwise and not listwise:
-        losses = torch.zeros(rows, device=device).index_add_(0, pair_rows, losses)
-    ranks = torch.full((rows, len(RANK_METRICS)), torch.nan, device=device)
+    at = out["pair_rows"]
+    values = {"loss": (out["losses"], out["units"]), "logps/chosen": (out["chosen_logps"], at)}
+    if out.get("rejected_rewards") is not None:
+        cr, rr = out.get("pair_rewards", (out["chosen_rewards"], out["rejected_rewards"]))
+        pair_rows = batch.response_rows[batch.chosen_index]
+        values.update(
+            {
+                "rewards/chosen": (out["chosen_rewards"], at),
+                "rewards/rejected": (out["rejected_rewards"], at),
+                "rewards/accuracies": ((cr > rr).float(), pair_rows),
+                "rewards/margins": (cr - rr, pair_rows),
+                "logps/rejected": (out["rejected_logps"], at),
+            }
+        )
     if out.get("logratios") is not None:
-        ranks = torch.stack(_ranking(out["logratios"], batch), dim=1)
-    # Not bincount: its output's size would wait for the device.
-    counts = torch.zeros(rows, 2, device=device)
-    counts[:, 1] = 1
-    counts[:, 0].index_add_(0, pair_rows, torch.ones(len(pair_rows), device=device))
-    per_row = torch.zeros(rows, pairs.shape[1], device=device).index_add_(0, pair_rows, pairs)
-    return torch.cat([losses[:, None], per_row, ranks, counts], dim=1)
+        every = torch.arange(rows, device=device)
+        values.update(
+            (k, (v, every)) for k, v in zip(RANK_METRICS, _ranking(out["logratios"], batch))
+        )
+    if "kl" in out:
+        values["kl"] = (out["kl"][None], torch.zeros(1, dtype=torch.long, device=device))
+    table = torch.zeros(rows, 2, len(METRICS), device=device)
+    for i, name in enumerate(METRICS):
+        if name in values:
+            value, where = values[name]
+            value = value.detach().float()
+            # A NaN loss stays, for the step's finiteness check; any other NaN is a value absent.
+            counted = ~value.isnan() | (name == "loss")
+            table[:, 0, i].index_add_(0, where, torch.where(counted, value, 0))
+            table[:, 1, i].index_add_(0, where, counted.float())
+    return table.view(rows, ROW_COLUMNS)
 
 
 def _ranking(logratios: torch.Tensor, batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,19 +112,11 @@ def _ranking(logratios: torch.Tensor, batch) -> tuple[torch.Tensor, torch.Tensor
     return top.float(), (ds * dr).sum((1, 2)) / scale
 
 
-def row_means(sums: torch.Tensor, pairwise: bool = True, listwise: bool = False) -> dict:
-    """{metric: mean} from row_sums summed over rows: the loss over the pairs (over the rows when
-    `listwise`), the pair metrics over the pairs, RANK_METRICS over the rows where defined (not
-    NaN). SFT alone (pairwise=False) runs no rejected responses: only loss and
-    logps/chosen."""
-    values = sums.tolist()
-    pairs, rows = values[-2:]
-    if not pairwise:
-        return {"loss": values[0] / pairs, "logps/chosen": values[len(PAIR_METRICS) - 1] / pairs}
-    means = {"loss": values[0] / (rows if listwise else pairs)}
-    for i, name in enumerate(PAIR_METRICS[1:] + RANK_METRICS):
-        means[name] = values[1 + i] / (pairs if name in PAIR_METRICS else rows)
-    return {k: v for k, v in means.items() if k not in RANK_METRICS or not math.isnan(v)}
+def row_means(sums: torch.Tensor) -> dict:
+    """{metric: mean} from row_sums summed over rows: each of METRICS over its own values, those
+    with none left out (SFT alone logs loss and logps/chosen only)."""
+    totals, counts = sums.view(2, len(METRICS)).tolist()
+    return {name: t / n for name, t, n in zip(METRICS, totals, counts) if n}
 
 
 class StepSums:
@@ -131,12 +139,13 @@ class StepSums:
         """() bool on the device: whether the summed loss is finite."""
         return torch.isfinite(self._sums[0])
 
-    def totals(self, pairwise: bool = True, listwise: bool = False) -> dict:
+    def totals(self) -> dict:
         """StepStats' "means" (row_means), "pairs", "tokens", "token_slots" and "flops"."""
         tokens, slots, flops = self._sums[ROW_COLUMNS:].tolist()
         return {
-            "means": row_means(self._sums[:ROW_COLUMNS], pairwise, listwise),
-            "pairs": self._sums[ROW_COLUMNS - 2].item(),
+            "means": row_means(self._sums[:ROW_COLUMNS]),
+            # The loss's count: its units.
+            "pairs": self._sums[len(METRICS)].item(),
             "tokens": tokens,
             "token_slots": slots,
             "flops": flops,
@@ -151,7 +160,8 @@ class StepStats:
     """Each of PAIR_METRICS ("loss", "rewards/margins", ...) and RANK_METRICS: its mean over the
     global batch."""
     pairs: float
-    """The global batch's pairs (SFT alone: its rows)."""
+    """The global batch's loss units: pairs; rows for a listwise loss or SFT alone; responses for
+    an unpaired loss (kto)."""
     tokens: float
     """Real tokens the policy ran on."""
     token_slots: float
@@ -332,6 +342,8 @@ def eval_line(step: int, n_rows: int, m: dict, samples: list[dict]) -> str:
     line = f"eval at step {step} ({n_rows} rows): loss {m['loss']:.4f}"
     if "rewards/margins" in m:
         line += f" reward accuracy {m['rewards/accuracies']:.3f} margin {m['rewards/margins']:.3f}"
+    if "kl" in m:
+        line += f" KL {m['kl']:.3f}"
     if "rewards/kendall_tau" in m:
         line += (
             f" best on top {m['rewards/best_on_top']:.3f} Kendall tau "

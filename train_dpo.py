@@ -8,6 +8,7 @@ evaluation, checkpoints, export).
 """
 
 import json
+import math
 import os
 import sys
 import time
@@ -294,9 +295,12 @@ def train_step(
     # loss or SFT alone): counted on the host from the scores, so each rank's sum over its own is
     # scaled alike, and FSDP's average over the ranks gives that mean.
     n_pairs, tokens = batches.pair_counts(
-        run.train, batch, cfg.batching.pairs, run.layout["best_only"]
+        run.train, batch, cfg.batching.pairs, run.layout["best_only"], run.layout["score_prompts"]
     )
     units = len(batch) if cfg.objective.listwise else n_pairs
+    if cfg.objective.unpaired:
+        # An unpaired loss's mean is over the responses.
+        units = int((~run.train.scores[batch].isnan()).sum())
     sums = metrics.StepSums(run.device)
 
     micro_batches = batches.micro_batches(
@@ -309,10 +313,10 @@ def train_step(
         run.policy.set_requires_gradient_sync(last or not cfg.fsdp.unsharded_grad_accumulation)
         # sft's NLL is a token mean over the step's preferred responses: each pair's share is
         # over their mean length.
-        out = pair_losses(run, "train", idx, rows, tokens / n_pairs)
+        out = pair_losses(run, "train", idx, rows, tokens / max(n_pairs, 1))
         scaler.scale(out["losses"].sum() * (dist.get_world_size() / units)).backward()
         sums.add(
-            metrics.row_sums(out, rows, cfg.objective.pairwise, cfg.objective.listwise),
+            metrics.row_sums(out, rows),
             metrics.batch_counts(
                 run.flop_coefficients,
                 # The policy's forward and backward are 3 forwards' worth of FLOPs, or 2 with LoRA,
@@ -344,7 +348,7 @@ def train_step(
     # Read on the host once the update is queued: no wait for the device before it.
     peak_memory_gb, stop_requested = maxima.tolist()
     return metrics.StepStats(
-        **sums.totals(cfg.objective.pairwise, cfg.objective.listwise),
+        **sums.totals(),
         grad_norm=grad_norm.item(),
         skipped=skipped,
         peak_memory_gb=peak_memory_gb,
@@ -371,16 +375,15 @@ def evaluate_and_sample(run: "Run", log: metrics.RunLog, step: int, t0: float) -
         return
 
     n_pairs, tokens = batches.pair_counts(
-        run.eval, range(len(run.eval)), run.cfg.batching.pairs, run.layout["best_only"]
+        run.eval,
+        range(len(run.eval)),
+        run.cfg.batching.pairs,
+        run.layout["best_only"],
+        run.layout["score_prompts"],
     )
 
     def row_sums(idx, rows):  # (B, metrics.ROW_COLUMNS)
-        return metrics.row_sums(
-            pair_losses(run, "eval", idx, rows, tokens / n_pairs),
-            rows,
-            run.cfg.objective.pairwise,
-            run.cfg.objective.listwise,
-        )
+        return metrics.row_sums(pair_losses(run, "eval", idx, rows, tokens / max(n_pairs, 1)), rows)
 
     # Every rank evaluates and generates (FSDP needs them all); rank 0 writes.
     with fsdp_setup.inference(run.policy):
@@ -405,7 +408,7 @@ def evaluate_and_sample(run: "Run", log: metrics.RunLog, step: int, t0: float) -
             run.cfg.seed,
             run.device,
         )
-    means = metrics.row_means(table.sum(0), run.cfg.objective.pairwise, run.cfg.objective.listwise)
+    means = metrics.row_means(table.sum(0))
     rows = [{"step": step, **c} for c in completions]
     demo.record_samples(run.demo, step, means, rows)
     log.write({"step": step, "split": "eval", **means, "elapsed_s": time.perf_counter() - t0}, rows)
@@ -479,6 +482,17 @@ def setup(
     train_pairs, eval_pairs, summary = data.load_tokens(
         fsdp_setup.on_rank0(data.tokenize_to_cache, dataset, tokenizer, metrics.say)
     )
+    if summary["train"]["unpaired"] and not cfg.objective.unpaired:
+        raise ValueError(
+            f"--data {' '.join(cfg.dataset.data)}: unpaired rows (prompt, completion, label) train "
+            f"--loss kto or apo_zero_unpaired, not {' '.join(cfg.objective.loss)}"
+        )
+    if cfg.objective.unpaired:
+        _advise_weights(cfg.objective, train_pairs)
+    if "kto" in cfg.objective.loss:
+        # KTO's KL estimate: each row carries its mismatched completions.
+        train_pairs = data.with_mismatched(train_pairs)
+        eval_pairs = data.with_mismatched(eval_pairs)
     # Refuses less data than one batch, before any weights are read.
     steps = batches.StepBatches(train_pairs.lengths, cfg.batching, cfg.seed)
     # Rank 0 resolves "latest" for all (another node may still see its old target), or finds no
@@ -531,6 +545,7 @@ def setup(
             "share_prompt": cfg.batching.share_prompt,
             "pairs": cfg.batching.pairs,
             "best_only": not cfg.objective.pairwise,
+            "score_prompts": "orpo" in cfg.objective.loss,
         },
     )
     metrics.say(
@@ -566,6 +581,19 @@ def setup(
             )
         )
     return run, optimizer
+
+
+def _advise_weights(objective: loss.LossConfig, rows: data.RowTokens) -> None:
+    """TRL's warning where desirable and undesirable responses are unbalanced and the weights do
+    not make up for it."""
+    labels = [
+        label
+        for scores in rows.scores.tolist()
+        for label in batches.labels([s for s in scores if not math.isnan(s)])
+    ]
+    advice = loss.kto_weight_advice(sum(labels), len(labels) - sum(labels), objective)
+    if advice:
+        metrics.say(f"warning: {advice}")
 
 
 def build_models(cfg: Config, model_config, weights: dict | None, mp_policy, device: torch.device):
@@ -608,7 +636,7 @@ def plan_memory(
     def micro_batch(policy, rows):  # forward and backward, the reference's log-probs given
         # One per response (per pair side for LD-DPO), as --ref precompute's table gives them.
         sides = (
-            len(rows.response_lengths)
+            len(rows.response_rows)
             if cfg.objective.ld_alpha is None
             else 2 * len(rows.chosen_index)
         )
@@ -623,6 +651,7 @@ def plan_memory(
             cfg.batching.share_prompt,
             cfg.batching.pairs,
             not cfg.objective.pairwise,
+            "orpo" in cfg.objective.loss,
         )
         for size in sizes
     }
