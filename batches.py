@@ -132,6 +132,10 @@ class RowBatch:
     scored_prompts: int = 0
     """ORPO's: B where each row's prompt is scored too, its tokens but the first, after the R
     responses (response_lengths and the scored tokens hold B more segments); else 0."""
+    parts: tuple | None = None
+    """With mismatched completions: (the rows with their scored responses alone, the rows with
+    their mismatched ones alone), RowBatches the policy runs apart, the second without gradients;
+    the reference runs the whole rows, each prompt once."""
 
     def to(self, device: torch.device) -> "RowBatch":
         moved = {
@@ -139,6 +143,8 @@ class RowBatch:
             for f in fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
+        if self.parts:
+            moved["parts"] = tuple(part.to(device) for part in self.parts)
         return replace(self, **moved)
 
 
@@ -252,6 +258,17 @@ def collate_rows(
     chosen = [place[b, i] for b, (i, _) in found]
     rejected = [place[b, j] for b, (_, j) in found]
     most = max(len(row["scores"]) for row in rows)
+    parts = None
+    if mismatched:
+        parts = tuple(
+            collate_rows(
+                [{**row, "responses": kept} for row, kept in zip(rows, group)], pad_id, share_prompt
+            )
+            for group in (
+                [row["responses"][: len(row["scores"])] for row in rows],
+                [row["responses"][len(row["scores"]) :] for row in rows],
+            )
+        )
     # The scored segments: the responses, then (score_prompts) each row's prompt.
     segments = [(rows[b]["responses"][k], index[b, k]) for b, k in responses]
     if score_prompts:
@@ -281,6 +298,7 @@ def collate_rows(
         ),
         mismatched,
         len(rows) if score_prompts else 0,
+        parts,
     )
 
 

@@ -801,7 +801,15 @@ def pair_logps(
             "logratios": None,
         }
     log_weights = None
-    logps = response_logps(policy, batch, objective.ld_alpha, objective.use_weighting)
+    if batch.parts:
+        # KTO: the mismatched completions' log-probs need no gradient (the KL estimate is a
+        # constant), so they run apart, first, their activations freed at once.
+        scored, mismatched = batch.parts
+        with torch.no_grad():
+            kl = response_logps(policy, mismatched)
+        logps = torch.cat([response_logps(policy, scored), kl])
+    else:
+        logps = response_logps(policy, batch, objective.ld_alpha, objective.use_weighting)
     if objective.use_weighting:
         logps, log_weights = logps
         log_weights = pair_sides(log_weights, batch)

@@ -248,9 +248,17 @@ def batch_counts(
 ) -> torch.Tensor:
     """(3,) [tokens, token slots, model FLOPs] of a batches.RowBatch, with no sync (slots, FLOPs
     from shapes): the policy's rows run `passes` forwards' worth (3: with backward), a reference
-    one."""
+    one; with KTO's mismatched completions (batch.parts), the policy runs its scored responses so
+    and its mismatched ones in one forward, apart."""
+    flops = (passes + reference) * _batch_flops(coefficients, batch)
+    if batch.parts:
+        scored, mismatched = batch.parts
+        flops = (
+            passes * _batch_flops(coefficients, scored)
+            + _batch_flops(coefficients, mismatched)
+            + reference * _batch_flops(coefficients, batch)
+        )
     rows, length = batch.input_ids.shape
-    flops = (passes + reference) * forward_flops(coefficients, rows, length, len(batch.score_index))
     return torch.stack(
         [
             batch.attention_mask.sum().float(),
@@ -258,6 +266,12 @@ def batch_counts(
             torch.full((), flops, device=batch.input_ids.device),
         ]
     )
+
+
+def _batch_flops(coefficients: tuple[float, float, float], batch) -> float:
+    """forward_flops of a batches.RowBatch's rows and scored tokens."""
+    rows, length = batch.input_ids.shape
+    return forward_flops(coefficients, rows, length, len(batch.score_index))
 
 
 def peak_memory_gb(device: torch.device) -> float:
