@@ -134,8 +134,8 @@ class RowBatch:
     responses (response_lengths and the scored tokens hold B more segments); else 0."""
     parts: tuple | None = None
     """With mismatched completions: (the rows with their scored responses alone, the rows with
-    their mismatched ones alone), RowBatches the policy runs apart, the second without gradients;
-    the reference runs the whole rows, each prompt once."""
+    their mismatched ones alone), RowBatches the models run apart (loss.batch_logps), the second
+    without gradients; this batch's own rows say where each response's values go."""
 
     def to(self, device: torch.device) -> "RowBatch":
         moved = {

@@ -285,11 +285,11 @@ def _trained_state(model: nn.Module, optimizer: Optimizer, reference: nn.Module 
 
 def check_same_run(saved: dict, current: dict, fixed: dict[str, str]) -> None:
     """Refuse to resume when a setting differs; `fixed`: {leaf name in the nested dicts: its flag,
-    e.g. "--seed"}."""
+    e.g. "--seed"}. A setting the checkpoint does not record (newer than it) is not compared."""
     flat_saved = _leaves(saved)
     flat_current = _leaves(current)
     for key, label in fixed.items():
-        if flat_saved.get(key) != flat_current.get(key):
+        if key in flat_saved and flat_saved[key] != flat_current.get(key):
             raise ValueError(
                 f"--resume: {label} is {_short(flat_current.get(key))} but the checkpoint was "
                 f"trained with {_short(flat_saved.get(key))}; these must match to resume: "

@@ -27,7 +27,7 @@ from typing import Literal
 import torch
 import transformers
 
-_CACHE_VERSION = 5  # bump when tokenization changes, so old caches are not reused
+_CACHE_VERSION = 6  # bump when tokenization changes, so old caches are not reused
 _HH_MARKER = "\n\nAssistant:"
 _SPACE = re.compile(r"\s*")
 _DECODER = json.JSONDecoder()
@@ -157,7 +157,7 @@ def read_rows(spec: str) -> list[dict]:
                 f"{where}: expected an object with fields chosen, rejected (and prompt); got "
                 f"{type(row).__name__}"
             )
-        if "completion" in row or "label" in row:
+        if "chosen" not in row and ("completion" in row or "label" in row):
             row = _unpaired(row, where)
         # A row with a shape's responses but not its scores takes the first such shape, whose
         # error then names the scores it lacks.
@@ -320,8 +320,9 @@ def _by_prompt(rows: list[dict], spec: str) -> list[dict]:
     for row in rows:
         key = json.dumps(row["prompt"])
         if key not in grouped:
-            grouped[key] = {**row, "responses": [], "scores": [], "cut": [], "unpaired": True}
-        for name in ("responses", "scores", "cut"):
+            grouped[key] = {**row, "responses": [], "scores": [], "cut": [], "fields": []}
+            grouped[key]["unpaired"] = True
+        for name in ("responses", "scores", "cut", "fields"):
             grouped[key][name] += row[name]
     labels = {score for row in rows for score in row["scores"]}
     if len(labels) < 2:
@@ -525,25 +526,31 @@ class RowTokens:
         }
 
 
-def with_mismatched(tokens: RowTokens) -> RowTokens:
+def with_mismatched(tokens: RowTokens, max_length: int) -> RowTokens:
     """KTO's rows: each row's responses, then as many mismatched completions, each the completion
-    before one of its responses in the split's order (the first row's first takes the last row's
-    last). TRL's KTOTrainer pairs them so within each batch, in file order: with every row in one
-    batch, the same pairs."""
-    rows = [tokens[i] for i in range(len(tokens))]
-    flat = [response for row in rows for response in row["responses"]]
-    previous = iter(flat[-1:] + flat[:-1])
-    ids, lengths = [], []
-    width = 1 + 2 * tokens.scores.shape[1]
-    for row in rows:
-        parts = [row["prompt"], *row["responses"], *(next(previous) for _ in row["responses"])]
-        ids += [t for part in parts for t in part]
-        lengths.append([len(part) for part in parts] + [0] * (width - len(parts)))
-    return RowTokens(
-        torch.tensor(ids, dtype=torch.int32),
-        torch.tensor(lengths, dtype=torch.long).view(-1, width),
-        tokens.scores,
+    of the response before its own in the split's order (the first row's first takes the last
+    row's last), cut to fit `max_length` after the row's prompt, keeping its start. TRL's
+    KTOTrainer pairs them so within each batch, in file order: with every row in one batch, the
+    same pairs. A row's lengths hold 0 between its responses and its mismatched ones where it has
+    fewer responses than the split's most."""
+    lengths = tokens.lengths  # (N, 1 + K)
+    # Each segment's start in tokens.ids, where the rows lie end to end.
+    starts = lengths.flatten().cumsum(0).view_as(lengths) - lengths
+    real = lengths[:, 1:] > 0
+    room = (max_length - lengths[:, :1]).expand_as(real)[real]
+    before = torch.zeros_like(lengths[:, 1:]).masked_scatter(real, starts[:, 1:][real].roll(1))
+    taken = torch.zeros_like(lengths[:, 1:]).masked_scatter(
+        real, torch.minimum(lengths[:, 1:][real].roll(1), room)
     )
+    segments = torch.cat([lengths, taken], 1)  # (N, 1 + 2K)
+    flat = segments.flatten()
+    total = int(flat.sum())
+    # Each token's place in tokens.ids: its segment's start, plus its place in the segment.
+    within = torch.arange(total) - (flat.cumsum(0) - flat).repeat_interleave(
+        flat, output_size=total
+    )
+    first = torch.cat([starts, before], 1).flatten().repeat_interleave(flat, output_size=total)
+    return RowTokens(tokens.ids[first + within], segments, tokens.scores)
 
 
 def synthetic_rows(n: int, prompt: int, length: int, k: int) -> RowTokens:
@@ -584,13 +591,13 @@ def tokenize_rows(
     for row in rows:
         cut = row.get("cut", [False] * len(row["responses"]))
         counts["cut_responses"] += sum(cut)
-        # A response cut short loses --missing-eos-penalty before any pair is drawn, as in TRL.
+        # A response cut short loses --missing-eos-penalty before any pair is drawn, as in TRL;
+        # an unpaired row's scores are its labels, which stay.
+        penalty = 0.0 if row.get("unpaired") else config.missing_eos_penalty
         row = {
             **row,
             "cut": cut,
-            "scores": [
-                s - config.missing_eos_penalty if c else s for s, c in zip(row["scores"], cut)
-            ],
+            "scores": [s - penalty if c else s for s, c in zip(row["scores"], cut)],
         }
         if not all(map(math.isfinite, row["scores"])):
             counts["dropped_unscored"] += 1

@@ -89,8 +89,8 @@ def demo_pairs(split: str) -> list[dict[str, str]]:
 
 
 def demo_unpaired() -> list[dict]:
-    """The "train" split's reviews as thumbs up or down, with no pairing: each prompt keeps one of
-    its two reviews, a coin flip deciding which; praise is labelled true, criticism false."""
+    """The "train" split's reviews as thumbs up or down, with no pairing: each pair keeps one of its
+    two reviews, a coin flip deciding which; praise is labelled true, criticism false."""
     rng = random.Random("demo-kto")
     rows = []
     for pair in demo_pairs("train"):
@@ -158,7 +158,7 @@ def warm_start(enabled: bool, model: str, data: tuple, pairwise: bool, cache_dir
         *("--num-samples", "32", "--sample-temperature", "1"),
     ]
     if data == ("demo:kto",):
-        # Its 2048 reviews share 319 prompts, a row each: 7 epochs for the DPO demo's 64 steps.
+        # Its reviews share few prompts, a row each: 7 epochs take about the DPO demo's 64 steps.
         stages["then"] += ["--epochs", "7"]
     return stages
 
@@ -201,6 +201,5 @@ def demo_config(dataset, write_jsonl) -> tuple:
         return dataset, False
     files = demo_files(dataset.cache_dir, write_jsonl)
     evals = dataset.eval_data or (() if dataset.eval_fraction else (files["eval"],))
-    # demo:sft and demo:kto name their split; none given, or demo, is "train".
-    split = "".join(dataset.data).removeprefix("demo:").removeprefix("demo") or "train"
+    split = {("demo:sft",): "sft", ("demo:kto",): "kto"}.get(dataset.data, "train")
     return replace(dataset, data=(files[split],), eval_data=evals), True

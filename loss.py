@@ -193,6 +193,9 @@ class LossConfig:
     """KTO's weight on the losses of desirable (thumbs-up) responses."""
     undesirable_weight: float = 1.0
     """KTO's weight on the losses of undesirable (thumbs-down) responses."""
+    cpo_alpha: float = 0.0
+    """CPO's NLL weight (TRL's cpo_alpha): adds --loss sft at this weight, in place (--ref none
+    --loss dpo --cpo-alpha 1 is TRL's CPOTrainer at its defaults). 0: none."""
     alphapo_alpha: float = 0.0
     """AlphaPO (Gupta et al. 2025) with --ref none: a response's reward is (1 - p^-alpha) / alpha
     of p = e^(its log-prob) instead of the log-prob (TRL CPOConfig's alpha). 0: the log-prob."""
@@ -215,6 +218,11 @@ class LossConfig:
         names = (self.loss,) if isinstance(self.loss, str) else self.loss
         self.loss = tuple(_ALIASES.get(name, name) for name in names) or ("dpo",)
         self.loss_weights = tuple(self.loss_weights) or (1.0,) * len(self.loss)
+        if self.cpo_alpha:
+            # Folded into the mix it is, so that a saved config holds it once.
+            self.loss += ("sft",)
+            self.loss_weights += (self.cpo_alpha,)
+            self.cpo_alpha = 0.0
         for name in self.loss:
             if name not in get_args(LossType):
                 raise ValueError(f"--loss {name!r} is not one of {', '.join(get_args(LossType))}")
@@ -246,11 +254,12 @@ class LossConfig:
             self.label_smoothing > 0,
             self.f_divergence_type != "reverse_kl",
         )
-        if (self.listwise or self.unpaired) and (len(self.loss) > 1 or any(pair_options)):
+        alone = self.listwise or self.unpaired or "orpo" in self.loss
+        if alone and (len(self.loss) > 1 or any(pair_options)):
             raise ValueError(
                 f"--loss {' '.join(self.loss)}: a listwise loss (plackett_luce, infonca, nca, "
-                "lipo) or an unpaired one (kto, apo_zero_unpaired) goes alone, and without the "
-                "options that act on pairs (--ld-alpha, --use-weighting, --label-smoothing, "
+                "lipo), an unpaired one (kto, apo_zero_unpaired) or orpo goes alone, and without "
+                "the options that act on pairs (--ld-alpha, --use-weighting, --label-smoothing, "
                 "--f-divergence-type)"
             )
         if not self.score_temperature > 0:
@@ -276,12 +285,13 @@ class LossConfig:
                 f"--f-divergence-type {self.f_divergence_type} goes only with --loss "
                 f"{', '.join(sorted(_F_DIVERGENCE))}, got {' '.join(self.loss)}"
             )
-        if (self.alphapo_alpha and not self.reference_free) or (
-            self.ref == "none" and (self.unpaired or self.f_divergence_type != "reverse_kl")
+        if (self.alphapo_alpha and (alone or not self.reference_free)) or (
+            self.ref == "none" and (alone or self.f_divergence_type != "reverse_kl")
         ):
             raise ValueError(
-                "--alphapo-alpha goes only with a reference-free loss (--ref none); kto, "
-                "apo_zero_unpaired and --f-divergence-type need a reference"
+                "--alphapo-alpha goes only with a reference-free pairwise loss (--ref none, or "
+                "simpo) but orpo; kto, apo_zero_unpaired, the listwise losses and "
+                "--f-divergence-type need a reference, and orpo has none to drop"
             )
         if self.sync_ref_model and (self.ref == "precompute" or self.reference_free):
             raise ValueError(
@@ -588,6 +598,19 @@ def response_logps(model, batch, ld_alpha: float | None = None, weighting: bool 
     return sums, log_weights / lengths.clamp(min=1)
 
 
+def batch_logps(model, batch, ld_alpha: float | None = None, weighting: bool = False):
+    """response_logps of a batches.RowBatch; with KTO's mismatched completions (batch.parts), its
+    scored responses' log-probs, then the mismatched ones', from a forward of their own without
+    gradients (the KL estimate is a constant), run first so that its activations are freed at
+    once. Policy and reference score them in the same rows, alike where their weights agree."""
+    if not batch.parts:
+        return response_logps(model, batch, ld_alpha, weighting)
+    scored, mismatched = batch.parts
+    with torch.no_grad():
+        kl = response_logps(model, mismatched)
+    return torch.cat([response_logps(model, scored), kl])
+
+
 def _ld_sums(token_logps: torch.Tensor, batch, ld_alpha: float) -> torch.Tensor:
     """(2P,) [chosen; rejected] LD-DPO log-probs of the batch's pairs: each side summed over its
     first min(len chosen, len rejected) tokens, plus ld_alpha x the rest. A response in several
@@ -790,7 +813,7 @@ def pair_logps(
     # The reference first, so that its activations are freed before the policy's exist.
     if ref_logps is None and reference is not None:
         with torch.no_grad():
-            ref_logps = response_logps(reference, batch, objective.ld_alpha)
+            ref_logps = batch_logps(reference, batch, objective.ld_alpha)
     if not objective.pairwise:
         # SFT scores each row's best response alone (the batch holds no others).
         best = response_logps(policy, batch)
@@ -801,15 +824,7 @@ def pair_logps(
             "logratios": None,
         }
     log_weights = None
-    if batch.parts:
-        # KTO: the mismatched completions' log-probs need no gradient (the KL estimate is a
-        # constant), so they run apart, first, their activations freed at once.
-        scored, mismatched = batch.parts
-        with torch.no_grad():
-            kl = response_logps(policy, mismatched)
-        logps = torch.cat([response_logps(policy, scored), kl])
-    else:
-        logps = response_logps(policy, batch, objective.ld_alpha, objective.use_weighting)
+    logps = batch_logps(policy, batch, objective.ld_alpha, objective.use_weighting)
     if objective.use_weighting:
         logps, log_weights = logps
         log_weights = pair_sides(log_weights, batch)

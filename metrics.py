@@ -248,15 +248,16 @@ def batch_counts(
 ) -> torch.Tensor:
     """(3,) [tokens, token slots, model FLOPs] of a batches.RowBatch, with no sync (slots, FLOPs
     from shapes): the policy's rows run `passes` forwards' worth (3: with backward), a reference
-    one; with KTO's mismatched completions (batch.parts), the policy runs its scored responses so
-    and its mismatched ones in one forward, apart."""
+    one; with KTO's mismatched completions (batch.parts), the models run the scored responses and
+    the mismatched ones apart, the policy the mismatched ones in one forward."""
     flops = (passes + reference) * _batch_flops(coefficients, batch)
     if batch.parts:
         scored, mismatched = batch.parts
         flops = (
             passes * _batch_flops(coefficients, scored)
             + _batch_flops(coefficients, mismatched)
-            + reference * _batch_flops(coefficients, batch)
+            + reference
+            * (_batch_flops(coefficients, scored) + _batch_flops(coefficients, mismatched))
         )
     rows, length = batch.input_ids.shape
     return torch.stack(

@@ -7495,6 +7495,18 @@ def test_unpaired_rows_share_a_row_per_prompt_and_keep_their_labels(kto_file):
     assert batches.labels([3.0, 1.0, 2.5, 0.5]) == [True, False, True, False]
 
 
+def test_inspector_prints_unpaired_rows_as_they_were_written(kto_file, capsys):
+    data.inspect([kto_file, "--model", "tiny", "--show", "2"])
+    *lines, summary = capsys.readouterr().out.strip().split("\n")
+    # The first two rows: the first prompt's three lines (the one from the file's end joined them),
+    # then the second prompt's one, with EOS as the tokenizer decodes it.
+    assert [json.loads(line) for line in lines] == [
+        {"prompt": r["prompt"], "completion": r["completion"] + "</s>", "label": r["label"]}
+        for r in [KTO_ROWS[0], KTO_ROWS[1], KTO_ROWS[-1], KTO_ROWS[2]]
+    ]
+    assert json.loads(summary)["unpaired"] is True
+
+
 def test_mismatched_completions_are_the_ones_before_in_the_file_as_trl_pairs_them():
     """data.with_mismatched by hand: each response's mismatched completion is the response before
     it in the split's order, the first row's first taking the last row's last (TRL's rotation of a
@@ -7504,13 +7516,16 @@ def test_mismatched_completions_are_the_ones_before_in_the_file_as_trl_pairs_the
         torch.tensor([[2, 1, 2], [1, 1, 0], [1, 3, 0]]),
         torch.tensor([[1.0, 0.0], [1.0, math.nan], [0.0, math.nan]]),
     )
-    paired = data.with_mismatched(rows)
+    paired = data.with_mismatched(rows, 512)
     assert paired[0] == {
         "prompt": [7, 8],
         "responses": [[1], [9, 9], [4, 4, 4], [1]],
         "scores": [1.0, 0.0],
     }
     assert paired[1]["responses"] == [[5], [9, 9]] and paired[2]["responses"] == [[4, 4, 4], [5]]
+    # Cut to fit --max-length 3 after the prompt, keeping the start, as TRL cuts its KL rows.
+    cut = data.with_mismatched(rows, 3)
+    assert cut[0]["responses"] == [[1], [9, 9], [4], [1]] and cut[1]["responses"] == [[5], [9, 9]]
     rb = batches.collate_rows([paired[i] for i in range(3)], 0, share_prompt=True)
     # The 4 scored responses first (column after column), then the 4 mismatched ones.
     assert rb.mismatched == 4 and rb.desirable.tolist() == [True, True, False, False]
@@ -7591,6 +7606,8 @@ def test_unpaired_orpo_and_cpo_losses_match_the_formulas_by_hand():
 
 
 def test_kto_options_that_cannot_go_together_are_refused():
+    cpo = LossConfig(loss=("hinge",), ref="none", cpo_alpha=0.5)
+    assert (cpo.loss, cpo.loss_weights, cpo.cpo_alpha) == (("hinge", "sft"), (1.0, 0.5), 0.0)
     for options, message in [
         ({"loss": ("kto", "sft")}, "goes alone"),
         ({"loss": "kto", "ref": "none"}, "need a reference"),
@@ -7618,7 +7635,8 @@ def test_kto_shares_prompts_exactly_keeps_precompute_and_logs_what_trl_logs(
     pre = _kto_step(tmp_path, "pre", kto_file, "--ref", "precompute")
     two = str(two_ranks[0]["kto"])
     (a,) = read_metrics(shared)
-    assert a["loss"] == pytest.approx(0.5, rel=F32_REL) and a["kl"] == 0  # policy = reference
+    # The policy is the reference: their mismatched log-probs agree bit for bit, and so the KL.
+    assert a["loss"] == pytest.approx(0.5, rel=F32_REL) and a["kl"] == 0
     for key in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
         assert key in a
     for out in (separate, pre, two):
@@ -7675,7 +7693,7 @@ def test_orpo_and_kto_score_shared_rows_as_separate_ones_and_as_pairs_written_ou
             ),
             torch.tensor([r["scores"] + [math.nan] * (5 - len(r["scores"])) for r in rows]),
         )
-        paired = data.with_mismatched(tokens)
+        paired = data.with_mismatched(tokens, 512)
         rows = [paired[i] for i in range(len(paired))]
     params = [p for p in model.parameters() if p.requires_grad]
     results = []

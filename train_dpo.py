@@ -174,6 +174,7 @@ _SAME_RUN = {
         )
     },
     "data_sha256": "the tokenized --data (its content, cut by this code)",
+    "no_reference": "--ref none",
 }
 
 
@@ -491,8 +492,8 @@ def setup(
         _advise_weights(cfg.objective, train_pairs)
     if "kto" in cfg.objective.loss:
         # KTO's KL estimate: each row carries its mismatched completions.
-        train_pairs = data.with_mismatched(train_pairs)
-        eval_pairs = data.with_mismatched(eval_pairs)
+        train_pairs = data.with_mismatched(train_pairs, cfg.dataset.max_length)
+        eval_pairs = data.with_mismatched(eval_pairs, cfg.dataset.max_length)
     # Refuses less data than one batch, before any weights are read.
     steps = batches.StepBatches(train_pairs.lengths, cfg.batching, cfg.seed)
     # Rank 0 resolves "latest" for all (another node may still see its old target), or finds no
@@ -632,6 +633,8 @@ def plan_memory(
             cfg.dataset.max_length,
             cfg.memory_plan.plan_responses,
         )
+        if "kto" in cfg.objective.loss:
+            tokens = data.with_mismatched(tokens, cfg.dataset.max_length)
 
     def micro_batch(policy, rows):  # forward and backward, the reference's log-probs given
         # One per response (per pair side for LD-DPO), as --ref precompute's table gives them.
@@ -701,7 +704,12 @@ def plan_first_step(run: Run, model_config) -> float | None:
 
 def _identity(cfg: Config, summary: dict) -> dict:
     """What a checkpoint records of its run, for check_same_run: the config and what it implies."""
-    return {"config": asdict(cfg), "data_sha256": summary["train_sha256"]}
+    # --ref none changes the objective (CPO); online and precompute only how the reference runs.
+    return {
+        "config": asdict(cfg),
+        "data_sha256": summary["train_sha256"],
+        "no_reference": cfg.objective.ref == "none",
+    }
 
 
 # ------------------------------------------------------------------------------------------ models
@@ -734,6 +742,8 @@ def load_or_precompute_ref(run: Run, model_config) -> dict[str, torch.Tensor]:
         "share_prompt": run.cfg.batching.share_prompt,
         # LD-DPO's entries are of the pairs made.
         "pairs": run.cfg.batching.pairs,
+        # KTO's rows hold their mismatched completions too.
+        "responses": run.train.lengths.shape[1],
     }
     path = os.path.join(run.cfg.dataset.cache_dir, f"ref-{data.key_digest(key)[:20]}.safetensors")
     if fsdp_setup.on_rank0(os.path.exists, path):
@@ -745,7 +755,7 @@ def load_or_precompute_ref(run: Run, model_config) -> dict[str, torch.Tensor]:
             split: batches.response_table(
                 tokens,
                 # (R,), or (2P,) pair sides with --ld-alpha
-                lambda rows: loss.response_logps(reference, rows, run.cfg.objective.ld_alpha),
+                lambda rows: loss.batch_logps(reference, rows, run.cfg.objective.ld_alpha),
                 run.cfg.objective.ld_alpha is not None,
                 run.cfg.batching.micro_batch_size,
                 run.pad_id,

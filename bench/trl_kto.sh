@@ -51,7 +51,7 @@ run kto_weights k1 8 kto "--loss kto --desirable-weight 1.3 --undesirable-weight
     '"desirable_weight": 1.3, "undesirable_weight": 0.7'
 run apo_zero_unpaired k1 8 kto "--loss apo_zero_unpaired" '"loss_type": "apo_zero_unpaired"'
 run cpo_sigmoid pairs 8 cpo "--ref none --loss dpo --loss sft"
-run cpo_hinge pairs 8 cpo "--ref none --loss hinge --loss sft --loss-weights 1 --loss-weights 0.5" \
+run cpo_hinge pairs 8 cpo "--ref none --loss hinge --cpo-alpha 0.5" \
     '"loss_type": "hinge", "cpo_alpha": 0.5'
 run cpo_ipo pairs 8 cpo "--ref none --loss ipo --loss sft" '"loss_type": "ipo"'
 run cpo_simpo pairs 8 cpo "--loss simpo --loss sft --label-smoothing 0.1" '"loss_type": "simpo", "label_smoothing": 0.1'
