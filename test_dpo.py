@@ -3687,7 +3687,11 @@ def start_two_ranks(request, folder):
         trainer_args(outs["objectives"], *OBJECTIVES),
         trainer_args(outs["oracle"], *ORACLE_ARGS),
         trainer_args(outs["krows"], *k_step_args(k_files[0], len(K_ROWS))),
-        trainer_args(outs["kto"], *kto_step_args(kto_file)),
+        trainer_args(
+            outs["kto"],
+            *kto_step_args(kto_file),
+            *("--ref", "precompute", "--no-share-prompt", "--cache-dir", str(folder / "kto")),
+        ),
         *[trainer_args(outs[kind], *converted_args(kind)) for kind in CONVERTED],
         {
             "argv": trainer_args(outs["fp16"], *FP16_OVERFLOW),
@@ -7479,10 +7483,6 @@ def kto_step_args(kto_file):
     return (*args[:2], *args[4:], "--loss", "kto")
 
 
-def _kto_step(tmp_path, name, kto_file, *flags):
-    return run(tmp_path, name, *kto_step_args(kto_file), *flags)
-
-
 def test_unpaired_rows_share_a_row_per_prompt_and_keep_their_labels(kto_file):
     rows = read_rows(kto_file)
     assert len(rows) == 20 and all(row.get("unpaired") for row in rows)
@@ -7631,20 +7631,19 @@ def test_kto_options_that_cannot_go_together_are_refused():
 def test_kto_shares_prompts_exactly_keeps_precompute_and_logs_what_trl_logs(
     tmp_path, kto_file, two_ranks, capsys
 ):
-    """One step of KTO over the unpaired file, a prompt's reviews in one row, against the same with
-    the reference's log-probs (the mismatched ones too) precomputed, in a row per response, and on
-    two ranks: the same loss, gradient norm, KL and weights (a row per response alone:
+    """One step of KTO over the unpaired file, a prompt's reviews in one row, against the same on
+    two ranks, with the reference's log-probs (the mismatched ones too) precomputed, in a row per
+    response: the same loss, gradient norm, KL and weights (a row per response alone:
     test_orpo_and_kto_score_shared_rows_as_separate_ones_and_as_pairs_written_out). The losses
     that take pairs refuse the file."""
     shared = _one_step(tmp_path, "shared", kto_file, 20, "--loss", "kto")
-    pre = _kto_step(tmp_path, "pre", kto_file, "--ref", "precompute", "--no-share-prompt")
     two = str(two_ranks[0]["kto"])
     (a,) = read_metrics(shared)
     # The policy is the reference: their mismatched log-probs agree bit for bit, and so the KL.
     assert a["loss"] == pytest.approx(0.5, rel=F32_REL) and a["kl"] == 0
     for key in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
         assert key in a
-    for out in (pre, two):
+    for out in (two,):
         (b,) = read_metrics(out)
         for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected"):
             assert b[key] == pytest.approx(a[key], rel=LOGP_REL), (out, key)
@@ -7661,14 +7660,12 @@ def test_kto_shares_prompts_exactly_keeps_precompute_and_logs_what_trl_logs(
 
 def test_orpo_and_cpo_run_no_reference_model(tmp_path, k_files):
     """CPO (--ref none) counts no reference forward: a step's FLOPs are 3 forwards' worth of the
-    policy's, against DPO's 4; ORPO, reference-free too, trains on the same pairs."""
+    policy's, against DPO's 4 (ORPO, reference-free too: bench/trl_kto.sh trains it against TRL)."""
     step = ("--data", k_files[1], "--batch-size", "8", "--max-steps", "1")
     dpo = run(tmp_path, "dpo", *step)
     cpo = run(tmp_path, "cpo", *step, "--ref", "none")
-    orpo = run(tmp_path, "orpo", *step, "--loss", "orpo")
-    (a,), (b,), (c,) = read_metrics(dpo), read_metrics(cpo), read_metrics(orpo)
+    (a,), (b,) = read_metrics(dpo), read_metrics(cpo)
     assert b["flops"] == pytest.approx(a["flops"] * 3 / 4, rel=1e-12)
-    assert math.isfinite(c["loss"]) and c["loss"] > 0 and c["grad_norm"] > 0
 
 
 @pytest.mark.parametrize("objective", ["orpo", "kto"])
