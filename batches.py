@@ -2,20 +2,46 @@
 
 Copyable on its own: imports only the standard library and torch.
 
-    steps = StepBatches(rows.lengths, BatchConfig(batch_size=64).resolve(world_size), seed=0)
-    for step in range(steps.total_steps):
-        batch = steps(step)  # the global batch: row indices
-        mine = rank_share(batch, rank, world_size)  # this rank's rows of the step
-        # rb: a RowBatch, B rows [prompt | r1 | ... | rK] (share_prompt=False: a row per response)
-        for idx, rb in micro_batches(rows, mine, 8, pad_id, device, share_prompt=True):
-            ...
-    # fn(idx, rb) -> (B, K), for every row once over all ranks
-    table = row_table(rows, (K,), fn, 8, pad_id, device)
-
 A row is {"prompt", "responses", "scores"}: a prompt's token ids, its K responses' (each ending with
 EOS) and their scores, higher better; a preference pair is a row of 2 scored (1, 0). `rows.lengths`
 is the (N, 1 + K) tensor of their lengths, `rows.scores` the (N, K) scores, NaN past a row's own K
-(data.RowTokens).
+(data.RowTokens). This runs as written:
+
+    import torch
+    import torch.distributed as dist
+    from batches import BatchConfig, StepBatches, micro_batches, rank_share, response_table
+
+
+    class Rows(list):  # data.RowTokens' rows[i] and lengths, as these functions read them
+        lengths = torch.tensor([[3, 3, 2, 0], [2, 2, 3, 2], [4, 2, 2, 0], [2, 2, 2, 3]])
+
+
+    pair = {"prompt": [5, 6, 7], "responses": [[8, 9, 1], [10, 1]], "scores": [1.0, 0.0]}  # EOS 1
+    rows = Rows(
+        [
+            pair,
+            {"prompt": [5, 6], "responses": [[7, 1], [8, 9, 1], [6, 1]], "scores": [0.2, 0.9, 0.5]},
+            {"prompt": [6, 7, 8, 9], "responses": [[5, 1], [7, 1]], "scores": [1.0, 0.0]},
+            {"prompt": [7, 5], "responses": [[8, 1], [6, 1], [9, 7, 1]], "scores": [0.0, 0.3, 0.7]},
+        ]
+    )
+    config = BatchConfig(batch_size=4, micro_batch_size=2).resolve(world_size=1)
+    # Rows [prompt | r1 | ... | rK] (--share-prompt), padded with id 0.
+    layout = config.layout(pad_id=0, best_only=False, score_prompts=False)
+    steps = StepBatches(rows.lengths, config, seed=0)
+    for step in range(steps.total_steps):
+        batch = steps(step)  # the global batch: row indices
+        mine = rank_share(batch, rank=0, world_size=1)  # this rank's rows of the step
+        for idx, rb in micro_batches(rows, mine, config.micro_batch_size, "cpu", layout):
+            # rb: a RowBatch; its pairs as (preferred, other) among its R responses.
+            pairs = list(zip(rb.chosen_index.tolist(), rb.rejected_index.tolist()))
+            print(idx, tuple(rb.input_ids.shape), pairs)
+    # A value per response, for every row once over all ranks (the reference's log-probs; here
+    # each response's scored tokens): (N, K), 0 past a row's own. A collective, as row_table is
+    # (any fn(idx, rb) -> (B, *shape)).
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    print(response_table(rows, lambda rb: rb.response_lengths.float(), False, 2, "cpu", layout))
+    dist.destroy_process_group()
 """
 
 import math
@@ -83,6 +109,11 @@ class BatchConfig:
             self, micro_batch_size=micro, share_prompt=self.share_prompt and shares_prompt
         )
 
+    def layout(self, pad_id: int, best_only: bool, score_prompts: bool) -> "Layout":
+        """This config's Layout of rows, with the loss's: `best_only` (SFT alone), `score_prompts`
+        (ORPO)."""
+        return Layout(pad_id, self.share_prompt, self.pairs, best_only, score_prompts)
+
 
 @dataclass
 class RowBatch:
@@ -91,7 +122,7 @@ class RowBatch:
     per response; padding only ever follows a row's real tokens, which a causal model never lets
     them see, so the model needs no attention mask (its fused causal kernels run). Shared rows: a
     row per prompt, [prompt | r1 | ... | rK], whose attention mask the model must be given
-    (loss.response_logps builds it from segment_ids and position_ids). Either way the R responses
+    (logps.response_logps builds it from segment_ids and position_ids). Either way the R responses
     come column after column (every row's first, then every row's second, ...: a pair file's
     chosen, then its rejected), and so do their scored tokens. Built on the host; `.to(device)`
     moves it."""
@@ -108,7 +139,8 @@ class RowBatch:
     score_targets: torch.Tensor
     """(N,) int64: the scored tokens, response after response (response_lengths[r] of the r-th)."""
     chosen_index: torch.Tensor
-    """(P,) int64: each pair's preferred response, an index into the R responses."""
+    """(P,) int64: each pair's preferred response, an index into the R responses (SFT alone's
+    best_only: each row's response, paired with itself)."""
     rejected_index: torch.Tensor
     """(P,) int64: each pair's other response, scored lower."""
     pair_tokens: int
@@ -134,8 +166,18 @@ class RowBatch:
     responses (response_lengths and the scored tokens hold B more segments); else 0."""
     parts: tuple | None = None
     """With mismatched completions: (the rows with their scored responses alone, the rows with
-    their mismatched ones alone), RowBatches the models run apart (loss.batch_logps), the second
-    without gradients; this batch's own rows say where each response's values go."""
+    their mismatched ones alone), RowBatches the models run apart (logps.response_logps), the
+    second without gradients; this batch's own rows say where each response's values go."""
+
+    def pair_sides(self, values: torch.Tensor) -> torch.Tensor:
+        """(2P,) [chosen; rejected] of the pairs from (R,) per-response values."""
+        return values[torch.cat([self.chosen_index, self.rejected_index])]
+
+    def by_row(self, values: torch.Tensor) -> torch.Tensor:
+        """(B, K) float32 from (R,) per-response values: each at its row and column, 0 past a
+        row's own responses."""
+        table = torch.zeros(self.scores.shape, device=values.device)
+        return table.index_put((self.response_rows, self.response_columns), values.float())
 
     def to(self, device: torch.device) -> "RowBatch":
         moved = {
@@ -146,6 +188,28 @@ class RowBatch:
         if self.parts:
             moved["parts"] = tuple(part.to(device) for part in self.parts)
         return replace(self, **moved)
+
+
+@dataclass
+class Layout:
+    """How a run lays out its rows as RowBatches: collate_rows' options, fixed for the run."""
+
+    pad_id: int
+    """Any id does: padding is never attended to nor scored."""
+    share_prompt: bool = False
+    """A row per prompt, [prompt | r1 | ... | rK]; else a row per response."""
+    pairs: str = "all"
+    """Which pairs a row gives (row_pairs)."""
+    best_only: bool = False
+    """SFT alone: each row's best response alone, paired with itself."""
+    score_prompts: bool = False
+    """ORPO: each prompt's tokens but its first are scored too, after the responses'."""
+
+    def collate(self, rows: list[dict]) -> RowBatch:
+        """collate_rows of `rows` in this layout, on the host."""
+        return collate_rows(
+            rows, self.pad_id, self.share_prompt, self.pairs, self.best_only, self.score_prompts
+        )
 
 
 def row_pairs(scores: list[float], pairs: str = "all") -> list[tuple[int, int]]:
@@ -178,6 +242,12 @@ def labels(scores: list[float]) -> list[bool]:
     return [s > mean for s in scores]
 
 
+def response_labels(scores: torch.Tensor) -> list[bool]:
+    """Each response's label (labels), row after row, of (N, K) scores, NaN past a row's own."""
+    rows = [[s for s in row if not math.isnan(s)] for row in scores.tolist()]
+    return [label for row in rows for label in labels(row)]
+
+
 def best_response(scores: list[float]) -> int:
     """The position of a row's best-scored response (the first of tied bests)."""
     return max((i for i, s in enumerate(scores) if not math.isnan(s)), key=scores.__getitem__)
@@ -194,8 +264,8 @@ def collate_rows(
     """Lay out B rows ({"prompt", "responses", "scores"}) as a RowBatch on the host (RowBatch.to
     moves it): a row per response [prompt | response], or with `share_prompt` a row per prompt
     [prompt | r1 | ... | rK]; T the longest. `pairs`: which pairs each row gives (row_pairs);
-    `best_only` (SFT): each row's best response alone, and no pairs; `score_prompts` (ORPO): each
-    prompt's tokens but its first scored too, after the responses' (scored_prompts)."""
+    `best_only` (SFT): each row's best response alone, paired with itself; `score_prompts`
+    (ORPO): each prompt's tokens but its first scored too, after the responses' (scored_prompts)."""
     host = torch.device("cpu")
     kept = [list(range(len(row["scores"]))) for row in rows]
     if best_only:
@@ -249,11 +319,10 @@ def collate_rows(
             start = end
     # Each response's place among the R, to turn a row's pairs into indices of responses.
     place = {response: n for n, response in enumerate(responses)}
-    found = (
-        []
-        if best_only
-        else [(b, ij) for b, row in enumerate(rows) for ij in row_pairs(row["scores"], pairs)]
-    )
+    found = [(b, ij) for b, row in enumerate(rows) for ij in row_pairs(row["scores"], pairs)]
+    if best_only:
+        # SFT alone: each row's best response stands for its one pair, against itself.
+        found = [(b, (ks[0], ks[0])) for b, ks in enumerate(kept)]
     lengths = [len(rows[b]["responses"][k]) for b, k in responses]
     chosen = [place[b, i] for b, (i, _) in found]
     rejected = [place[b, j] for b, (_, j) in found]
@@ -339,20 +408,20 @@ def row_lengths(row_lens: torch.Tensor) -> list[int]:
     return row_lens.sum(1).tolist()
 
 
-def pair_counts(
-    rows, idx: list[int], pairs: str, best_only: bool = False, score_prompts: bool = False
-) -> tuple[int, int]:
+def pair_counts(rows, idx: list[int], layout: Layout) -> tuple[int, int]:
     """(pairs, their preferred responses' tokens) of rows[idx] (data.RowTokens: its scores and
-    lengths), on the host with no forward: what a step's means are over. `best_only` (SFT alone):
-    each row's best response stands for its one pair. `score_prompts` (ORPO, whose NLL counts them
-    too): each pair's prompt tokens but the first count among its preferred tokens."""
+    lengths) in `layout`, on the host with no forward: what a step's means are over. best_only (SFT
+    alone): each row's best response stands for its one pair. score_prompts (ORPO, whose NLL counts
+    them too): each pair's prompt tokens but the first count among its preferred tokens."""
     count = tokens = 0
     for i in idx:
         lengths = rows.lengths[i].tolist()
         scores = rows.scores[i].tolist()
-        found = [(best_response(scores), None)] if best_only else row_pairs(scores, pairs)
+        best = [(best_response(scores), None)]
+        found = best if layout.best_only else row_pairs(scores, layout.pairs)
         count += len(found)
-        tokens += sum(lengths[1 + c] + score_prompts * (lengths[0] - 1) for c, _ in found)
+        prompt = layout.score_prompts * (lengths[0] - 1)
+        tokens += sum(lengths[1 + c] + prompt for c, _ in found)
     return count, tokens
 
 
@@ -395,20 +464,19 @@ def rank_share(batch: list[int], rank: int, world_size: int) -> list[int]:
     return batch[rank * per_rank : (rank + 1) * per_rank]
 
 
-def micro_batches(rows, idx: list[int], micro_batch_size: int, pad_id: int, device, **layout):
-    """(indices, RowBatch on `device`) for each micro-batch of rows[idx], in order; `layout`:
-    collate_rows' share_prompt, pairs, best_only, score_prompts."""
+def micro_batches(rows, idx: list[int], micro_batch_size: int, device, layout: Layout):
+    """(indices, RowBatch on `device`) for each micro-batch of rows[idx], in order."""
     for s in range(0, len(idx), micro_batch_size):
         mine = idx[s : s + micro_batch_size]
-        yield mine, collate_rows([rows[i] for i in mine], pad_id, **layout).to(device)
+        yield mine, layout.collate([rows[i] for i in mine]).to(device)
 
 
 def row_table(
-    rows, shape: tuple, fn, micro_batch_size: int, pad_id: int, device, **layout
+    rows, shape: tuple, fn, micro_batch_size: int, device, layout: Layout
 ) -> torch.Tensor:
     """(N, *shape): fn(idx, batch) -> (B, *shape) for each row exactly once over the process
-    group's ranks, shortest first (build_eval_batches; `rows`: data.RowTokens; `layout` as in
-    micro_batches). A collective: every rank calls it and gets the whole table."""
+    group's ranks, shortest first (build_eval_batches; `rows`: data.RowTokens). A collective: every
+    rank calls it and gets the whole table."""
     # Each row from one rank, 0 on the others: the sum over ranks is exact, one non-zero term each.
     table = torch.zeros(len(rows), *shape, device=device)
     lengths = row_lengths(rows.lengths)
@@ -416,14 +484,14 @@ def row_table(
         len(rows), micro_batch_size, dist.get_rank(), dist.get_world_size(), lengths
     ):
         # A rank out of rows runs a dummy (row 0), for the collectives, and keeps nothing of it.
-        batch = collate_rows([rows[i] for i in idx or [0]], pad_id, **layout).to(device)
+        batch = layout.collate([rows[i] for i in idx or [0]]).to(device)
         table[idx] = fn(idx, batch)[: len(idx)]
     dist.all_reduce(table)
     return table
 
 
 def response_table(
-    rows, fn, per_pair: bool, micro_batch_size: int, pad_id: int, device, **layout
+    rows, fn, per_pair: bool, micro_batch_size: int, device, layout: Layout
 ) -> torch.Tensor:
     """A row_table of fn(batch)'s values: (N, K) from (R,) per-response ones, or with `per_pair`
     (N, K, K) from (2P,) [chosen; rejected] pair sides (table_entries); K the rows' most
@@ -435,7 +503,7 @@ def response_table(
     def entries(idx, batch):  # (B, *shape)
         return table_entries(fn(batch), batch, most, per_pair)
 
-    return row_table(rows, shape, entries, micro_batch_size, pad_id, device, **layout)
+    return row_table(rows, shape, entries, micro_batch_size, device, layout)
 
 
 def table_entries(values: torch.Tensor, batch: RowBatch, most: int, per_pair: bool):

@@ -3,21 +3,53 @@ shard.
 
 Copyable on its own: imports only the standard library and torch.
 
-    saver = Checkpointer(root, keep_last=3)  # background=True: writes in a thread
-    # root/step-N, then root/latest pointing at it
-    saver.save(step, model, optimizer, {"step": step, ...})
-    saver.finish()  # waits for a background write and moves root/latest
-    path = find_checkpoint(root, "latest")  # or an explicit step-N folder
-    state = read_trainer_state(path)  # the saved extra, cheap: before building models
-    check_same_run(state, {"config": config}, fixed={"model": "--model", "seed": "--seed"})
-    # all three at once, as --resume: the state and its "path"
-    state = resume_state(root, "latest", {"config": config}, fixed={"seed": "--seed"})
-    load_checkpoint(path, model, optimizer)  # any world size: DCP reshards on load
-    stop = StopRequest()  # SIGTERM/SIGUSR1/SIGINT: finish the step, save, exit
-
 A checkpoint folder holds the model (less frozen weights, such as LoRA's base) and optimizer shards
 (DCP), trainer_state.json (the caller's extra plus world_size) and rng-rank{r}.pt (torch CPU, own
-GPU, Python RNGs).
+GPU, Python RNGs). This runs as written:
+
+    import os
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    from checkpoint import Checkpointer, StopRequest, load_checkpoint, resume_state
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    root = tempfile.mkdtemp()
+
+
+    def build():  # a sharded model and its AdamW, as training builds them
+        model = fully_shard(nn.Linear(4, 2))
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+    model, optimizer = build()
+    config = {"seed": 0, "lr": 0.1}
+    saver = Checkpointer(root, keep_last=2)  # background=True: writes in a thread
+    stop = StopRequest()  # SIGTERM/SIGUSR1/SIGINT: finish the step, save, exit
+    for step in (1, 2, 3):
+        model(torch.ones(1, 4)).sum().backward()
+        optimizer.step()
+        # root/step-N, then root/latest pointing at it
+        saver.save(step, model, optimizer, {"step": step, "config": config})
+        if stop.signum:
+            break
+    saver.finish()  # waits for a background write and moves root/latest
+    stop.restore()
+    print(sorted(os.listdir(root)))  # the newest keep_last, and latest
+    # --resume latest in a new run: find_checkpoint, read_trainer_state (cheap: before building
+    # models) and check_same_run at once; the saved extra and its "path".
+    state = resume_state(root, "latest", {"config": config}, fixed={"seed": "--seed"})
+    resumed, resumed_optimizer = build()
+    load_checkpoint(state["path"], resumed, resumed_optimizer)  # any world size: DCP reshards
+    print(state["step"], torch.equal(resumed.weight.full_tensor(), model.weight.full_tensor()))
+    try:
+        resume_state(root, "latest", {"config": {"seed": 1}}, fixed={"seed": "--seed"})
+    except ValueError as e:
+        print(e)  # --resume: --seed is 1 but the checkpoint was trained with 0; ...
+    dist.destroy_process_group()
 """
 
 import json

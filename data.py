@@ -1,11 +1,34 @@
 """Preference data: read pairs, or K scored responses per prompt, in the common shapes and tokenize
 them as the model sees them, once per run. Copyable on its own: imports only the standard library,
-torch and transformers. Row shapes: docs/data.md.
+torch and transformers. Row shapes: docs/data.md. This runs as written:
 
-    config = DataConfig(data=("prefs.jsonl",), eval_fraction=0.05, cache_dir="cache")
-    path = tokenize_to_cache(config, tokenizer)
-    train, evals, summary = load_tokens(path)  # train[0]: {"prompt", "responses", "scores"}
-    rows = read_rows("prefs.jsonl")  # or just the checked rows
+    import os
+    import tempfile
+
+    from data import DataConfig, load_tokenizer, load_tokens, tokenize_to_cache, write_jsonl
+
+    folder = tempfile.mkdtemp()
+    # K scored responses per prompt, higher better, whose pairs --pairs draws; and plain pairs.
+    scored = write_jsonl(
+        os.path.join(folder, "scored.jsonl"),
+        [{"prompt": "Hi!", "responses": [" Hello!", " Hey.", " Go away."], "scores": [2, 1, 0]}],
+    )
+    pairs = write_jsonl(
+        os.path.join(folder, "pairs.jsonl"),
+        [
+            {"prompt": "2 + 2 =", "chosen": " 4", "rejected": " 5"},
+            {"prompt": "1 + 1 =", "chosen": " 2", "rejected": " 11"},
+            {"prompt": "The capital of France is", "chosen": " Paris.", "rejected": " Lyon."},
+        ],
+    )
+    tokenizer = load_tokenizer("tiny")  # ByT5's bytes, no files; or a hub id or folder
+    cache_dir = os.path.join(folder, "cache")
+    config = DataConfig(data=(scored, pairs), eval_fraction=0.25, cache_dir=cache_dir)
+    path = tokenize_to_cache(config, tokenizer)  # once: a run with the same inputs reuses it
+    train, evals, summary = load_tokens(path)  # (read_rows(scored): the checked rows alone)
+    row = train[0]  # {"prompt", "responses", "scores"}: ids, each response ending with EOS
+    print(tokenizer.decode(row["prompt"]), [tokenizer.decode(r) for r in row["responses"]])
+    print(len(train), len(evals), summary["train"]["pairs"])  # the pairs each --pairs draws
 
 Inspect what will be trained:
 
@@ -19,7 +42,6 @@ import json
 import math
 import os
 import random
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
@@ -29,8 +51,6 @@ import transformers
 
 _CACHE_VERSION = 6  # bump when tokenization changes, so old caches are not reused
 _HH_MARKER = "\n\nAssistant:"
-_SPACE = re.compile(r"\s*")
-_DECODER = json.JSONDecoder()
 _CHUNK = 2048  # rows per tokenizer call: batched calls are faster
 # What a JSON value is, by the type it decodes to, for error messages.
 _JSON_KINDS = {
@@ -46,7 +66,7 @@ _JSON_KINDS = {
 # makes higher better, whether string prompts and responses are a user's request and a chat model's
 # answers, rendered by the chat template). The first whose fields a row has wins.
 _K_SHAPES = (
-    # TRL's unpaired rows, once _unpaired has made them rows of one response, scored 1 or 0.
+    # TRL's unpaired rows, once _read_unpaired has made them rows of one response, scored 1 or 0.
     ("prompt", "completion", None, "label", 1, False),
     ("prompt", "responses", None, "scores", 1, False),
     # RLHFlow's online-RLHF: prompts already rendered by the chat template.
@@ -137,7 +157,7 @@ class DataConfig:
 
 
 class DataError(ValueError):
-    """Bad input data; the message names the file, line and field."""
+    """Bad input data; the message names the file, line (or row) and field."""
 
 
 def read_rows(spec: str) -> list[dict]:
@@ -145,126 +165,21 @@ def read_rows(spec: str) -> list[dict]:
     (floats; NaN for a missing or non-finite one), "cut" (a bool per response: cut short by a
     length limit, so it gets no EOS), "fields" (the responses' fields, for errors), "where"}. A
     pair is the responses [chosen, rejected], scored [1, 0]."""
-    raw = _read_source(spec)
-    if not raw:
-        raise DataError(f"{spec}:1: no preference pairs")
-    rows = []
     # The first row's (where, kind): every row must be of its kind.
-    first = None
-    for where, row in raw:
+    rows, first = [], None
+    for where, row in _read_source(spec):
         if not isinstance(row, dict):
             raise DataError(
                 f"{where}: expected an object with fields chosen, rejected (and prompt); got "
                 f"{type(row).__name__}"
             )
         if "chosen" not in row and ("completion" in row or "label" in row):
-            row = _unpaired(row, where)
-        # A row with a shape's responses but not its scores takes the first such shape, whose
-        # error then names the scores it lacks.
-        shape = next(
-            (
-                s
-                for whole in (True, False)
-                for s in _K_SHAPES
-                if s[1] in row and (s[2] or s[3] in row or not whole)
-            ),
-            None,
-        )
-        fields, scores = [(f, row.get(f)) for f in ("prompt", "chosen", "rejected")], [1.0, 0.0]
-        if shape:
-            prompt_field, field, key, score, sign, chat = shape
-            items = row[field]
-            if not isinstance(items, list):
-                raise DataError(
-                    f"{where}: field '{field}' must be a list of responses, got "
-                    f"{type(items).__name__}"
-                )
-            bad = next(
-                (j for j, item in enumerate(items) if key and not isinstance(item, dict)), -1
-            )
-            if bad >= 0:
-                raise DataError(
-                    f"{where}: field '{field}' item {bad}: expected an object with '{key}' and "
-                    f"'{score}', got {json.dumps(items[bad])[:80]}"
-                )
-            scores = [item.get(score) for item in items] if key else row.get(score)
-            if not isinstance(scores, list) or len(scores) != len(items):
-                got = (
-                    f"{len(scores)}"
-                    if isinstance(scores, list)
-                    else _JSON_KINDS.get(type(scores), type(scores).__name__)
-                )
-                raise DataError(
-                    f"{where}: field '{score}' must be a list of {len(items)} scores, one for each "
-                    f"response in field '{field}'; got {got}"
-                )
-            fields = [(prompt_field, row.get(prompt_field))] + [
-                (f"{field}[{j}].{key}", item.get(key)) if key else (f"{field}[{j}]", item)
-                for j, item in enumerate(items)
-            ]
-            # A missing or non-finite score is NaN: the row is dropped, and counted, when tokenized.
-            scores = [
-                sign * float(s)
-                if isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s)
-                else math.nan
-                for s in scores
-            ]
-        for label, value in fields:
-            if value is None and (shape or label != "prompt"):
-                raise DataError(f"{where}: missing field '{label}'")
-            if isinstance(value, list):
-                for i, m in enumerate(value):
-                    if not (
-                        isinstance(m, dict)
-                        and all(isinstance(m.get(k), str) for k in ("role", "content"))
-                    ):
-                        raise DataError(
-                            f"{where}: field '{label}' message {i}: expected {{\"role\": str, "
-                            f'"content": str}}, got {json.dumps(m)[:80]}'
-                        )
-            elif value is not None and not isinstance(value, str):
-                raise DataError(
-                    f"{where}: field '{label}' must be a string or a list of messages, got "
-                    f"{type(value).__name__}"
-                )
-        kinds = {
-            label: "conversational" if isinstance(value, list) else "standard"
-            for label, value in fields
-            if value is not None
-        }
-        prompt, responses = fields[0][1], [value for _, value in fields[1:]]
-        if not shape and list(kinds.values()) == ["standard", "conversational", "conversational"]:
-            # ultrafeedback_binarized's shape: the responses begin with the string prompt as a user
-            # turn. As in the implicit shape, their shared first messages are the prompt.
-            shared = _implicit_prompt(*responses, None, where)
-            if not any(m["role"] == "user" and m["content"] == prompt for m in shared):
-                raise DataError(
-                    f"{where}: field 'prompt' is a string that no user turn among the first "
-                    "messages 'chosen' and 'rejected' share repeats; begin both with it as a user "
-                    "turn, or give the prompt as a message list and the responses without it"
-                )
-            prompt, responses = shared, [r[len(shared) :] for r in responses]
-        elif len(set(kinds.values())) > 1:
-            shapes = ", ".join(f"{k}: {v}" for k, v in kinds.items())
-            give = (
-                "the prompt and every response as strings or as message lists"
-                if shape
-                else "all three as strings or as message lists (a string prompt goes with "
-                "message-list responses that begin with it as a user turn)"
-            )
-            raise DataError(
-                f"{where}: fields mix strings and message lists ({shapes}); give {give}"
-            )
-        elif shape and chat and kinds[prompt_field] == "standard":
-            # A user's request and a chat model's answers: trained as the chat they were.
-            prompt, responses = (
-                [{"role": "user", "content": prompt}],
-                [[{"role": "assistant", "content": r}] for r in responses],
-            )
-        if shape:
-            kind = f"{kinds[prompt_field]} with '{field}' and '{score}'"
+            read = _read_unpaired
+        elif _k_shape(row):
+            read = _read_scored
         else:
-            kind = kinds["chosen"] if "prompt" in kinds else f"implicit-prompt {kinds['chosen']}"
+            read = _read_pair
+        prompt, responses, scores, fields, kind = read(row, where)
         first = first or (where, kind)
         if kind != first[1]:
             raise DataError(
@@ -288,18 +203,116 @@ def read_rows(spec: str) -> list[dict]:
                 "responses": responses,
                 "scores": scores,
                 "cut": cut,
-                "fields": [label for label, _ in fields[1:]],
+                "fields": fields,
                 "where": where,
             }
         )
-    if first[1].endswith("'label'"):
-        rows = _by_prompt(rows, spec)
-    return rows
+    if not rows:
+        raise DataError(f"{spec}:1: no preference pairs")
+    return _by_prompt(rows, spec) if first[1].endswith("'label'") else rows
 
 
-def _unpaired(row: dict, where: str) -> dict:
-    """TRL's unpaired row {"prompt", "completion", "label"} as a row of one response, scored 1
-    (desirable) or 0."""
+def _read_pair(row: dict, where: str) -> tuple:
+    """(prompt, responses, scores, the responses' fields, kind) of a pair {"prompt", "chosen",
+    "rejected"}. Without a prompt it is the responses' shared start, found once tokenized."""
+    fields = [(f, row.get(f)) for f in ("prompt", "chosen", "rejected")]
+    kinds = _kinds(fields, where, optional="prompt")
+    prompt, responses = row.get("prompt"), [row["chosen"], row["rejected"]]
+    if list(kinds.values()) == ["standard", "conversational", "conversational"]:
+        # ultrafeedback_binarized's shape: the responses begin with the string prompt as a user
+        # turn. As in the implicit shape, their shared first messages are the prompt.
+        shared = _implicit_prompt(*responses, None, where)
+        if not any(m["role"] == "user" and m["content"] == prompt for m in shared):
+            raise DataError(
+                f"{where}: field 'prompt' is a string that no user turn among the first "
+                "messages 'chosen' and 'rejected' share repeats; begin both with it as a user "
+                "turn, or give the prompt as a message list and the responses without it"
+            )
+        prompt, responses = shared, [r[len(shared) :] for r in responses]
+    elif len(set(kinds.values())) > 1:
+        raise _mixed(
+            kinds,
+            where,
+            "all three as strings or as message lists (a string prompt goes with message-list "
+            "responses that begin with it as a user turn)",
+        )
+    kind = kinds["chosen"] if "prompt" in kinds else f"implicit-prompt {kinds['chosen']}"
+    return prompt, responses, [1.0, 0.0], ["chosen", "rejected"], kind
+
+
+def _k_shape(row: dict) -> tuple | None:
+    """The first of _K_SHAPES whose responses and scores the row has, else the first whose
+    responses it has (its error then names the scores the row lacks); None: a pair."""
+    return next(
+        (
+            s
+            for whole in (True, False)
+            for s in _K_SHAPES
+            if s[1] in row and (s[2] or s[3] in row or not whole)
+        ),
+        None,
+    )
+
+
+def _read_scored(row: dict, where: str) -> tuple:
+    """(prompt, responses, scores, the responses' fields, kind) of a row of K scored responses in
+    one of _K_SHAPES; the scores signed so that higher is better, NaN where missing or not finite
+    (tokenize_rows drops such a row, and counts it)."""
+    prompt_field, field, key, score, sign, chat = _k_shape(row)
+    items = row[field]
+    if not isinstance(items, list):
+        raise DataError(
+            f"{where}: field '{field}' must be a list of responses, got {type(items).__name__}"
+        )
+    for j, item in enumerate(items):
+        if key and not isinstance(item, dict):
+            raise DataError(
+                f"{where}: field '{field}' item {j}: expected an object with '{key}' and "
+                f"'{score}', got {json.dumps(item)[:80]}"
+            )
+    scores = [item.get(score) for item in items] if key else row.get(score)
+    if not isinstance(scores, list) or len(scores) != len(items):
+        got = (
+            f"{len(scores)}"
+            if isinstance(scores, list)
+            else _JSON_KINDS.get(type(scores), type(scores).__name__)
+        )
+        raise DataError(
+            f"{where}: field '{score}' must be a list of {len(items)} scores, one for each "
+            f"response in field '{field}'; got {got}"
+        )
+    fields = [(prompt_field, row.get(prompt_field))] + [
+        (f"{field}[{j}].{key}", item.get(key)) if key else (f"{field}[{j}]", item)
+        for j, item in enumerate(items)
+    ]
+    kinds = _kinds(fields, where)
+    prompt, responses = fields[0][1], [value for _, value in fields[1:]]
+    if len(set(kinds.values())) > 1:
+        raise _mixed(kinds, where, "the prompt and every response as strings or as message lists")
+    if chat and kinds[prompt_field] == "standard":
+        # A user's request and a chat model's answers: trained as the chat they were.
+        prompt, responses = (
+            [{"role": "user", "content": prompt}],
+            [[{"role": "assistant", "content": r}] for r in responses],
+        )
+    scores = [
+        sign * float(s)
+        if isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s)
+        else math.nan
+        for s in scores
+    ]
+    return (
+        prompt,
+        responses,
+        scores,
+        [label for label, _ in fields[1:]],
+        f"{kinds[prompt_field]} with '{field}' and '{score}'",
+    )
+
+
+def _read_unpaired(row: dict, where: str) -> tuple:
+    """TRL's unpaired row {"prompt", "completion", "label"}, read as a row of one response scored 1
+    (desirable) or 0; _by_prompt then gathers a prompt's rows into one."""
     for name in ("prompt", "completion", "label"):
         if row.get(name) is None:
             raise DataError(
@@ -310,7 +323,45 @@ def _unpaired(row: dict, where: str) -> dict:
         raise DataError(
             f"{where}: field 'label' must be true or false, got {json.dumps(row['label'])[:80]}"
         )
-    return {**row, "completion": [row["completion"]], "label": [float(row["label"])]}
+    return _read_scored(
+        {**row, "completion": [row["completion"]], "label": [float(row["label"])]}, where
+    )
+
+
+def _kinds(fields: list[tuple[str, object]], where: str, optional: str = "") -> dict[str, str]:
+    """Each given field's kind, "standard" (a string) or "conversational" (a list of messages),
+    which a row's fields must share; DataError naming the first field missing (unless it is
+    `optional`) or neither."""
+    for label, value in fields:
+        if value is None and label != optional:
+            raise DataError(f"{where}: missing field '{label}'")
+        if isinstance(value, list):
+            for i, m in enumerate(value):
+                if not (
+                    isinstance(m, dict)
+                    and all(isinstance(m.get(k), str) for k in ("role", "content"))
+                ):
+                    raise DataError(
+                        f"{where}: field '{label}' message {i}: expected {{\"role\": str, "
+                        f'"content": str}}, got {json.dumps(m)[:80]}'
+                    )
+        elif value is not None and not isinstance(value, str):
+            raise DataError(
+                f"{where}: field '{label}' must be a string or a list of messages, got "
+                f"{type(value).__name__}"
+            )
+    return {
+        label: "conversational" if isinstance(value, list) else "standard"
+        for label, value in fields
+        if value is not None
+    }
+
+
+def _mixed(kinds: dict[str, str], where: str, give: str) -> DataError:
+    """The error for a row whose fields mix strings and message lists: each is rendered its own
+    way (a template renders messages), so the prompt and responses must agree."""
+    shapes = ", ".join(f"{k}: {v}" for k, v in kinds.items())
+    return DataError(f"{where}: fields mix strings and message lists ({shapes}); give {give}")
 
 
 def _by_prompt(rows: list[dict], spec: str) -> list[dict]:
@@ -334,6 +385,9 @@ def _by_prompt(rows: list[dict], spec: str) -> list[dict]:
 
 
 def _read_source(spec: str) -> list[tuple[str, object]]:
+    """(where, row) for each row of a .jsonl/.json file or hub dataset, `where` naming the row in
+    errors: FILE:LINE in JSON Lines; FILE row N (from 1) in a JSON array, which json.loads decodes
+    whole, without lines, and in a hub dataset."""
     if spec.startswith("hub:"):
         return [(f"{spec} row {i + 1}", row) for i, row in enumerate(_load_hub(spec))]
     if not os.path.isfile(spec):
@@ -351,56 +405,34 @@ def _read_source(spec: str) -> list[tuple[str, object]]:
             f"{spec}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at column {column}); save "
             "the file as UTF-8"
         ) from None
-    start = len(text) - len(text.lstrip())
-    if start == len(text):
+    if not text.strip():
         raise DataError(f"{spec}:1: empty file, expected preference rows")
-    rows = []
-    if text[start] != "[":  # JSON Lines
-        for line, raw in enumerate(text.splitlines(), start=1):
-            if raw.strip():
-                try:
-                    rows.append((f"{spec}:{line}", json.loads(raw)))
-                except json.JSONDecodeError as e:
-                    raise DataError(
-                        f"{spec}:{line}: invalid JSON ({e.msg} at column {e.colno})"
-                    ) from None
-        # A .json file holding one value, not an array: as JSON Lines it would be one pair (or a
-        # non-object row), and fail later without naming the cause. More rows are JSON Lines
-        # under a .json name, as datasets' to_json writes them.
-        if spec.endswith(".json") and len(rows) == 1:
-            raise DataError(
-                f"{rows[0][0]}: expected a JSON array of pair objects, got "
-                f"{_JSON_KINDS[type(rows[0][1])]}"
-            )
-        return rows
-    # A JSON array, decoded element by element so every row keeps the line it starts on, for error
-    # messages.
-    i = _SPACE.match(text, start + 1).end()
-    while rows or not text.startswith("]", i):  # "[]" has no rows
-        try:
-            row, end = _DECODER.raw_decode(text, i)
-        except json.JSONDecodeError as e:
-            raise DataError(
-                f"{spec}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})"
-            ) from None
-        rows.append((f"{spec}:{_line(text, i)}", row))
-        i = _SPACE.match(text, end).end()
-        if text.startswith("]", i):
-            break
-        if not text.startswith(",", i):
-            raise DataError(
-                f"{spec}:{_line(text, i)}: invalid JSON (expected ',' or ']' after an element, "
-                f"found {repr(text[i]) if i < len(text) else 'the end of the file'})"
-            )
-        i = _SPACE.match(text, i + 1).end()
-    i = _SPACE.match(text, i + 1).end()
-    if i < len(text):
-        raise DataError(f"{spec}:{_line(text, i)}: invalid JSON (extra data after the closing ']')")
+    if text.lstrip().startswith("["):
+        return [(f"{spec} row {i + 1}", row) for i, row in enumerate(_loads(text, spec))]
+    rows = [
+        (f"{spec}:{line}", _loads(raw, spec, line))
+        for line, raw in enumerate(text.splitlines(), start=1)
+        if raw.strip()
+    ]
+    # A .json file holding one value, not an array: as JSON Lines it would be one pair (or a
+    # non-object row), and fail later without naming the cause. More rows are JSON Lines under a
+    # .json name, as datasets' to_json writes them.
+    if spec.endswith(".json") and len(rows) == 1:
+        raise DataError(
+            f"{rows[0][0]}: expected a JSON array of pair objects, got "
+            f"{_JSON_KINDS[type(rows[0][1])]}"
+        )
     return rows
 
 
-def _line(text: str, i: int) -> int:
-    return text.count("\n", 0, i) + 1
+def _loads(text: str, spec: str, line: int = 1) -> object:
+    """json.loads of `spec`'s text from `line` on, its error one line naming the file and line."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(
+            f"{spec}:{line + e.lineno - 1}: invalid JSON ({e.msg} at column {e.colno})"
+        ) from None
 
 
 def write_jsonl(path: str, rows: list[dict]) -> str:

@@ -9,18 +9,39 @@ Copyable on its own: imports only the standard library.
     files = demo_files("runs/cache", write_jsonl)
     # the config naming those files, and True
     dataset, demo = demo_config(data.DataConfig(), write_jsonl)
-    # the default run's SFT stage (its folder, its flags: None once cached) and the flags DPO from
-    # it adds
+    # the default run's Stages: its first line, the flags DPO from the SFT stage adds, the SFT
+    # stage's flags (None once cached)
     stages = warm_start(True, "tiny", ("demo",), True, "runs/cache")
 
 Chosen answers praise the product and end "5/5"; rejected answers pan it and end "1/5". The held-out
 split reviews products never seen in training, so a policy must learn the style, not memorise items.
+This runs as written:
+
+    import json
+    import tempfile
+
+    from demo import demo_files, demo_pairs, score_completion, warm_start
+
+    pairs = demo_pairs("train")
+    print(len(pairs), repr(pairs[0]["prompt"]), "->", repr(pairs[0]["chosen"]))
+    print(score_completion(pairs[0]["chosen"]), score_completion(pairs[0]["rejected"]))  # 1 -1
+
+
+    def write_jsonl(path, rows):  # the trainer passes data.write_jsonl
+        with open(path, "w") as f:
+            for row in rows:
+                print(json.dumps(row), file=f)
+        return path
+
+
+    print(sorted(demo_files(tempfile.mkdtemp(), write_jsonl)))
+    print(warm_start(True, "tiny", ("demo",), True, tempfile.mkdtemp()).line)
 """
 
 import os
 import random
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 _ADJECTIVES = [
     "red",
@@ -125,41 +146,52 @@ def demo_files(folder: str, write_jsonl) -> dict[str, str]:
     return files
 
 
-def warm_start(enabled: bool, model: str, data: tuple, pairwise: bool, cache_dir: str) -> dict:
-    """The built-in default's two stages, when `enabled`: {"model": the SFT stage's export in
-    `cache_dir`, "sft": its train_dpo.py flags (None once the export is there; they resume the
-    stage's own checkpoint where a stopped stage saved one), "resume_hint": what a stopped stage
-    says, "then": the flags that preference training from it adds, "line": the run's first line};
-    {} for any other run (a --model, a --data, an SFT run). A model trained from random bytes by
+@dataclass
+class Stages:
+    """The built-in default's two stages, as train_dpo.py's main() runs them: the run's first line,
+    the flags that DPO from the SFT stage's export adds (before the run's own, which win), and the
+    SFT stage's flags (None once its export is in the cache; they resume the stage's own checkpoint
+    where a stopped stage saved one), with what a stopped stage says."""
+
+    line: str
+    dpo_flags: list[str]
+    sft_flags: list[str] | None = None
+    resume_hint: str = "run the same command again: the demo's SFT stage goes on from there"
+
+
+def warm_start(
+    enabled: bool, model: str, data: tuple, pairwise: bool, cache_dir: str
+) -> Stages | None:
+    """The built-in default's Stages, when `enabled`, with the SFT stage's export in `cache_dir`;
+    None for any other run (a --model, a --data, an SFT run). A model trained from random bytes by
     DPO alone writes gibberish; the SFT stage (SFT on "sft", the coin-flip split) writes both styles
     of review, as a base model would, and DPO from it visibly moves its samples toward the chosen
     style."""
     if not enabled or model != "tiny" or data not in ((), ("demo",), ("demo:kto",)) or not pairwise:
-        return {}
+        return None
     folder = os.path.join(cache_dir, "demo-sft")
-    stages = {
-        "model": os.path.join(folder, "final"),
-        "sft": None,
-        "resume_hint": "run the same command again: the demo's SFT stage goes on from there",
-        "line": f"demo: DPO from its SFT stage's model, {folder}/final (trained once)",
-    }
-    if not os.path.isdir(stages["model"]):
-        stages["sft"] = [
-            *("--loss", "sft", "--data", "demo:sft", "--epochs", "6", "--out-dir", folder),
-            *("--cache-dir", cache_dir, "--num-samples", "0", "--no-eval-before"),
-        ]
-        stages["line"] = f"demo: training its SFT stage first (once, cached in {folder}), then DPO"
-    # A stage stopped by a signal saved a checkpoint: the next run goes on from it.
-    if stages["sft"] and os.path.exists(os.path.join(folder, "checkpoints", "latest")):
-        stages["sft"] += ["--resume", "latest"]
-        stages["line"] = f"demo: its SFT stage goes on from its checkpoint in {folder}, then DPO"
-    stages["then"] = [
-        *("--model", stages["model"], "--lr", "3e-5", "--beta", "0.5", "--eval-every", "16"),
-        *("--num-samples", "32", "--sample-temperature", "1"),
-    ]
+    export = os.path.join(folder, "final")
+    stages = Stages(
+        f"demo: DPO from its SFT stage's model, {folder}/final (trained once)",
+        [
+            *("--model", export, "--lr", "3e-5", "--beta", "0.5", "--eval-every", "16"),
+            *("--num-samples", "32", "--sample-temperature", "1"),
+        ],
+    )
     if data == ("demo:kto",):
         # Its reviews share few prompts, a row each: 7 epochs take about the DPO demo's 64 steps.
-        stages["then"] += ["--epochs", "7"]
+        stages.dpo_flags += ["--epochs", "7"]
+    if os.path.isdir(export):
+        return stages
+    stages.sft_flags = [
+        *("--loss", "sft", "--data", "demo:sft", "--epochs", "6", "--out-dir", folder),
+        *("--cache-dir", cache_dir, "--num-samples", "0", "--no-eval-before"),
+    ]
+    stages.line = f"demo: training its SFT stage first (once, cached in {folder}), then DPO"
+    # A stage stopped by a signal saved a checkpoint: the next run goes on from it.
+    if os.path.exists(os.path.join(folder, "checkpoints", "latest")):
+        stages.sft_flags += ["--resume", "latest"]
+        stages.line = f"demo: its SFT stage goes on from its checkpoint in {folder}, then DPO"
     return stages
 
 

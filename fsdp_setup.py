@@ -1,20 +1,68 @@
 """Process group and FSDP2 sharding for Hugging Face causal LMs, one code path for 1..N ranks.
 
-Copyable on its own: imports only the standard library and torch.
+Copyable on its own: imports only the standard library and torch. This runs as written:
 
-    # torchrun's environment, or a world of one; nccl + gloo on CUDA
-    rank, world, device = init_distributed()
-    # each rank reads its own rows of the weights
-    model = build_sharded(make_model, weights, mp_policy, device, FSDPConfig())
-    with inference(model):  # eval, no grad; then the previous mode back, resharded
-        model(**batch)
-    # rank 0 runs build_cache(folder); every rank gets its result, or its error
-    path = on_rank0(build_cache, folder)
-    for name, tensor, fetch in full_tensors(model, device):  # one full tensor at a time
-        fetch()
+    import os
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    from fsdp_setup import (
+        FSDPConfig,
+        build_sharded,
+        clip_grad_norm_,
+        full_tensors,
+        inference,
+        init_distributed,
+        mix_into,
+        on_rank0,
+    )
+    from torch import nn
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    # torchrun's environment, or (here) a world of one; nccl + gloo on CUDA, gloo on a CPU
+    rank, world, device = init_distributed("cpu")
+
+
+    class Tiny(nn.Module):  # a causal LM's parts: embeddings, blocks in a ModuleList, a head
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(16, 8)
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2))
+            self.head = nn.Linear(8, 16)
+
+        def forward(self, ids):
+            h = self.embed(ids)
+            for layer in self.layers:
+                h = h + layer(h)
+            return self.head(h)
+
+
+    def make_model():  # parameters on the meta device
+        with torch.device("meta"):
+            return Tiny()
+
+
+    # Full CPU tensors by name (memory-mapped files, in training): each rank reads its own rows.
+    weights = {name: torch.randn(t.shape) for name, t in make_model().state_dict().items()}
+    fp32 = MixedPrecisionPolicy()  # precision.py's, in training
+    # Each block sharded, then the root; FSDPConfig: checkpointing, compile, offload, HSDP.
+    model = build_sharded(make_model, weights, fp32, device, FSDPConfig())
+    ids = torch.tensor([1, 2, 3, 4])
+    model(ids).logsumexp(-1).mean().backward()
     norm = clip_grad_norm_(model, max_norm=1.0)  # the global norm, over every rank's shards
+    with inference(model):  # eval, no grad; then the previous mode back, resharded
+        logits = model(ids)
+    print(type(model.head.weight).__name__, tuple(logits.shape), norm)
     # TR-DPO: reference = 0.6 policy + 0.4 reference, shard by shard
-    mix_into(reference, policy, alpha=0.6)
+    reference = build_sharded(make_model, weights, fp32, device, FSDPConfig(), frozen=True)
+    mix_into(reference, model, alpha=0.6)
+    # rank 0 runs it (a download, tokenizing): every rank gets its result, or its error
+    folder = on_rank0(tempfile.mkdtemp)
+    for name, _, fetch in full_tensors(model, device):  # one full tensor at a time
+        torch.save(fetch(), os.path.join(folder, name + ".pt"))  # rank 0 writes, in training
+    print(sorted(os.listdir(folder)))
+    dist.destroy_process_group()
 """
 
 import contextlib

@@ -11,9 +11,33 @@ line).
     # 4 samples per prompt of a file, scored by the demo's ground truth, on 2 ranks:
     torchrun --nproc_per_node=2 generate.py --model runs/cache/demo-sft/final \
         --data runs/cache/demo-train.jsonl --num-generations 4 --reward demo --out runs/rows.jsonl
+
+This runs as written:
+
+    import torch
+    import transformers
+
+    from generate import generate
+
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    # 2 sampled completions of each of 2 prompts, at most 6 tokens, ending at EOS (id 2) if any.
+    prompts = [[5, 6, 7], [8, 9]]
+    print(generate(model, prompts, 6, eos_id=2, pad_id=0, temperature=1.0, num_generations=2))
 """
 
+import contextlib
+import functools
 import importlib
+import io
 import json
 import math
 import os
@@ -21,8 +45,8 @@ import random
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass
-from typing import Literal
+from dataclasses import asdict, dataclass, is_dataclass, replace
+from typing import Annotated, Literal
 
 import torch
 import torch.distributed as dist
@@ -537,8 +561,7 @@ def run(config: GenerateConfig) -> None:
                 f"{' and '.join(missing)}: the demo's, not written yet: run python train_dpo.py "
                 "once first (its first run writes them), or give --model and --data"
             )
-        prompts = read_prompts(config.data)[config.skip_prompts :]
-        prompts = prompts[: config.max_prompts or len(prompts)]
+        prompts = read_prompts(config.data)[config.skip_prompts :][: config.max_prompts or None]
         if not prompts:
             raise ValueError(f"--skip-prompts {config.skip_prompts}: past the last prompt")
         tokenizer, policy = _load_policy(config.model, dtype, config.seed)
@@ -599,41 +622,77 @@ def _load_policy(name: str, dtype: torch.dtype, seed: int) -> tuple:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parse the flags (tyro, imported here so that the rest needs only torch and transformers) and
-    run; bad input exits 2 with one line."""
-    import tyro
-
+    """Parse the flags and run; bad input exits 2 with one line."""
     transformers.utils.logging.disable_progress_bar()
     try:
-        with tyro._errors.on_parse_error(raise_parse_error):
-            config = tyro.cli(GenerateConfig, args=argv)
-        run(config)
+        run(parse_flags(GenerateConfig, argv))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
 
-def raise_parse_error(event) -> None:
-    """tyro's parse errors as one ValueError line naming the flag, for main() to print (exit 2), not
-    tyro's box: a config's own check, a value not among the choices or not of the flag's type, an
-    unknown word, a missing value. train_dpo.py's too. tyro._errors is the pinned tyro's hook."""
+def parse_flags(config_class, argv: list[str] | None, *markers):
+    """`config_class` from the command line by tyro (imported here, so that the rest needs only
+    torch and transformers), `markers` from tyro.conf on all of it; train_dpo.py's flags too. Its
+    --help flows each flag's text (_flowing_help); a parse error is one ValueError line naming the
+    flag (_one_line), for main() to print (exit 2), not tyro's box. Both through tyro's public API:
+    a constructor registry's rule, and what tyro writes to stderr before it exits."""
     import tyro
 
-    flag = getattr(event, "argument", None)
-    name = f"{'/'.join(flag.lowered.name_or_flags)}: " if flag else ""
-    if isinstance(event, tyro._errors.InvalidChoice):
-        raise ValueError(f"{name}{event.value!r} is not one of {', '.join(event.choices)}")
-    if isinstance(event, tyro._errors.UnrecognizedArgs):
-        raise ValueError(f"unrecognized {' '.join(event.tokens)} (--help lists the flags)")
-    if isinstance(event, tyro._errors.InstantiationFailure) and flag:
-        # The value is what the type's message quotes ("... to float: 'abc'"; "it's" in double).
-        value = re.findall(r"""["'](.*)["']""", event.message.splitlines()[0]) or [""]
-        kind = str(flag.lowered.metavar).replace("{None}|", "")
-        raise ValueError(f"{name}cannot read {value[0]!r} as {kind}")
-    if isinstance(event, tyro._errors.InstantiationFailure):
-        raise ValueError(event.message)
-    # Any other (a missing value, say): tyro's own words, which name the flag, on one line.
-    raise ValueError(" ".join(" ".join(map(str, tyro._errors._render(event)[1])).split()))
+    registry = tyro.constructors.ConstructorRegistry()
+    registry.struct_rule(_flowing_help)
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            config = tyro.cli(config_class, args=argv, config=markers, registry=registry)
+    except SystemExit as e:
+        if e.code != 2:
+            raise
+        raise ValueError(_one_line(said.getvalue())) from None
+    # Whatever else was said (a warning, say) is not lost.
+    sys.stderr.write(said.getvalue())
+    return config
+
+
+def _flowing_help(info):
+    """tyro's own rule for a dataclass, with each field's text as flowing paragraphs: tyro keeps a
+    docstring's line break before a line that opens with "--" or a digit, ragged in a terminal.
+    A default of None is decided later, and the text says how: no "(default: None)" after it.
+    The type comes back marked with this rule, which then declines it: tyro's rules answer."""
+    import tyro
+
+    if not is_dataclass(info.type) or _flowing_help in info.markers:
+        return None
+    spec = tyro.constructors.ConstructorRegistry.get_struct_spec(
+        replace(info, markers=(*info.markers, _flowing_help))
+    )
+    flowing = []
+    for field_ in spec.fields:
+        # Read when shown: a class that runpy ran has no source file for tyro to read otherwise.
+        field_ = replace(field_, helptext=functools.partial(_flowing, field_.helptext))
+        if field_.default is None:
+            field_ = replace(
+                field_, type=Annotated[field_.type, tyro.conf.arg(help_behavior_hint="")]
+            )
+        flowing.append(field_)
+    return replace(spec, fields=tuple(flowing))
+
+
+def _flowing(helptext) -> str | None:
+    """tyro's text for a field (or what gives it), each of its paragraphs on one line."""
+    text = helptext() if callable(helptext) else helptext
+    return "\n\n".join(" ".join(lines.split()) for lines in (text or "").split("\n\n")) or None
+
+
+def _one_line(said: str) -> str:
+    """The first paragraph of what tyro said of a parse error (a box: a title, paragraphs between
+    rules, the --help hint) on one line, in tyro's words, which name the flag where they can; a
+    config's own check without tyro's "Error parsing Config: " before it."""
+    # Colours (on a terminal) and the box's sides out, then its title.
+    text = re.sub(r"\x1b\[[0-9;]*m|[│╭╮╰╯]", "", said).partition("\n")[2]
+    # A blank row or a rule (of ─ or -) ends the paragraph.
+    first = " ".join(re.split(r"\n[\s─-]*\n", text)[0].split())
+    return re.sub(r"^Error parsing (?:(--\S+: )|\S+: )", r"\1", first)
 
 
 def _keep_gathered(model, device: torch.device) -> list:

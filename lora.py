@@ -12,6 +12,25 @@ for.
     # W + (alpha / rank) B A, under the base model's names
     merged = merged_entries(model, entries)
     base = base_entries(entries)  # W alone, under the base model's names
+
+The adapters need peft and a Hugging Face model; the names between a peft model and its base model
+need neither. This runs as written:
+
+    import torch
+    from lora import LoraConfig, base_entries
+
+    try:  # a rank above 0 also checks that peft is installed
+        LoraConfig(lora_rank=0, export_merged=True)
+    except ValueError as e:
+        print(e)
+    # A peft Llama's tensors as fsdp_setup.full_tensors gives them: (name, tensor, fetch)
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    names = [f"{q}.base_layer.weight", f"{q}.lora_A.default.weight", f"{q}.lora_B.default.weight"]
+    names.append("base_model.model.lm_head.weight")
+    weight = torch.zeros(8, 8)  # each one's (sharded) tensor; fetch() gathers it whole
+    entries = [(name, weight, weight.clone) for name in names]
+    # The base model's weights under its own names, the adapters dropped: W alone.
+    print([name for name, _, _ in base_entries(entries)])
 """
 
 import functools

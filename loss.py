@@ -1,20 +1,80 @@
-"""Log-probabilities and the DPO loss family, computed in float32.
+"""The DPO loss family, computed in float32: a table of formulas, then the functions that compute
+them on log-probs. Copyable on its own: imports only the standard library and torch.
 
-Copyable on its own: imports only the standard library and torch.
+With c = pi_c - ref_c, r = pi_r - ref_r (a pair's summed log-probs, or their means per token where
+the loss says so), h = c - r, z = beta h, eps = label_smoothing and s = sigmoid, each pair's loss:
 
-    logps = sequence_logps(logits, labels)  # (2B,) float32; labels -100 where not scored
+    dpo        -(1 - eps) log s(z) - eps log s(-z)                DPO Eq. 7; cDPO when eps > 0
+               (sigmoid, TRL's name for it, is the same)
+    ipo        (h - 1 / (2 beta))^2                               IPO Eq. 17 (mean log-probs
+                                                                  by default)
+    hinge      max(0, 1 - z)                                      SLiC Eq. 2
+    robust     (-(1 - eps) log s(z) + eps log s(-z)) / (1 - 2 eps)   rDPO Eq. 8
+    simpo      dpo's formula on z = beta (pi_c - pi_r) - simpo_gamma   SimPO Eq. 6, mean
+                                                                  log-probs (CPO's simpo)
+    exo_pair   s(z) (log s(z) - log(1 - e)) + s(-z) (log s(-z) - log e),
+               e = eps or 1e-3                                    EXO Eq. 16
+    nca_pair   -log s(beta c) - log s(-beta c) / 2 - log s(-beta r) / 2   NCA
+    bco_pair   -log s(beta c - d) - log s(-(beta r - d)),
+               d = the batch mean of beta c and beta r            BCO
+    sppo_hard  (c - 1 / (2 beta))^2 + (r + 1 / (2 beta))^2        SPPO
+    apo_zero   (1 - s(beta c)) + s(beta r)                        APO-zero
+    apo_down   s(beta c) + (1 - s(z))                             APO-down
+    discopop   (1 - m) (-log s(z)) + m exp(-z), m = s(z / discopop_tau)   DiscoPOP Eq. 5
+               (m exp(-z) as exp(log m - z): for z < -88.7, exp(-z) alone overflows
+               float32, and 0 x inf is NaN)
+    aot        dpo's formula on z = beta (sort(pi_c - pi_r) - sort(ref_c - ref_r)),
+               sorted over the batch                              AOT
+    aot_pair   dpo's formula on z = beta (sort(c) - sort(r)), sorted over the batch   AOT
+    dpo_norm   dpo on mean log-probs                              Tulu 3
+    orpo       -beta log s(log odds(pi_c) - log odds(pi_r)), log odds(x) = x - log(1 - e^x),
+               on mean log-probs; pair_losses adds its NLL        ORPO Eq. 6-7
+    sft        the chosen responses' token-mean NLL (chosen_nll)      SFT; RPO: dpo + sft
+
+Around these, in pair_losses (and LD-DPO's and WPO's log-probs, logps.py) (TRL's names):
+
+    loss list      sum_i loss_weights_i x (batch mean of loss_i)         MPO; RPO: dpo + sft
+    f_divergence   c, r -> f'(e^c), f'(e^r) on summed log-ratios, averaged after;
+                   rewards beta f'                                       f-DPO
+                   forward_kl 1 - e^-c, js_divergence log 2 + log s(c),
+                   alpha_divergence (e^((a-1)c) - 1) / (a-1)
+    use_weighting  each pair's loss x w_c w_r,
+                   log w = mean_t log p(y_t) - log sum_v p(v)^2 (policy, no grad)   WPO
+    ld_alpha       log pi(y) = sum over its first min(|y_c|, |y_r|) tokens
+                   + ld_alpha x the rest (policy and reference)          LD-DPO
+    alpha (CPO)    pi -> (1 - e^(-alpha pi)) / alpha, reference-free     AlphaPO
+
+bco_pair, aot and aot_pair compare pairs within the batch, so their value depends on how the batch
+is split into micro-batches. Listwise losses take a prompt's K scored responses at once
+(listwise_loss: plackett_luce, infonca, nca, lipo); unpaired ones each response alone by its label
+(response_losses: kto, apo_zero_unpaired).
+
+The functions, one entry point per kind of loss, each returning Losses:
+
+    pair_losses(objective, logps, ref_logps, lengths)   # (2P,) [chosen; rejected] -> (P,) losses
+    row_losses(objective, logratios, scores, logps, ref_logps)   # (B, K) rows -> (B,) losses
+    response_losses(objective, logratios, logps, desirable, kl, chosen, rejected)   # -> (R,)
+
+and the formulas they apply: preference_loss (the pairs' table above), listwise_loss, chosen_nll.
+
+This runs as written:
+
+    import torch
+    from loss import LossConfig, pair_losses, preference_loss
+
+    chosen, rejected = torch.tensor([-10.0, -12.0]), torch.tensor([-11.0, -11.5])
+    ref_chosen, ref_rejected = torch.tensor([-10.5, -12.0]), torch.tensor([-11.0, -11.0])
     losses, chosen_rewards, rejected_rewards = preference_loss(
-        *logps.chunk(2), *ref_logps.chunk(2), "dpo"
+        chosen, rejected, ref_chosen, ref_rejected, "dpo", beta=0.1
     )
-
-A Hugging Face causal LM can skip the logits: give it a ScoredHead once, then score a
-batches.RowBatch's responses (a prompt's K responses, each once, and the pairs they give):
-
-    add_scored_head(model)  # before sharding; state-dict names unchanged
-    logps = response_logps(model, batch)  # (R,) float32, one per response
-    # both models' log-probs (the reference's first), then each pair's loss (or each row's,
-    # for a listwise loss): {"losses", "chosen_rewards", ..., "logratios"}
-    out = batch_loss(policy, reference, batch, LossConfig())
+    out = pair_losses(
+        LossConfig(loss=("dpo", "sft"), loss_weights=(1.0, 0.5)),
+        torch.cat([chosen, rejected]),  # (2P,) policy log-probs
+        torch.cat([ref_chosen, ref_rejected]),
+        torch.tensor([5, 6, 4, 7]),  # (2P,) response lengths
+        tokens_per_pair=5.5,
+    )
+    print(out.losses, out.chosen_rewards)
 
 References
 - DPO: Rafailov et al. 2023, https://arxiv.org/abs/2305.18290 (Eq. 7).
@@ -47,18 +107,12 @@ References
 - AlphaPO: Gupta et al. 2025, https://arxiv.org/abs/2501.03884.
 """
 
-import contextlib
-import copy
 import math
-from dataclasses import dataclass
-from types import SimpleNamespace
+from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-from torch.nn.utils.rnn import pad_sequence
 
 LossType = Literal[
     "dpo",
@@ -86,60 +140,61 @@ LossType = Literal[
     "apo_zero_unpaired",
     "orpo",
 ]
-IGNORE_INDEX = -100
 # TRL's names for ours: resolved in LossConfig, so that checkpoints hold the canonical name.
 _ALIASES = {"sigmoid": "dpo"}
-
-# The fused output layer runs on GPUs, where memory is what runs out (long pairs); on a CPU its
-# recomputation in backward costs more time than the memory it saves is worth (BENCHMARKS.md).
-FUSED_HEAD_ON_CPU = False
 # Losses that never look at a reference model.
 _REFERENCE_FREE = {"simpo", "sft", "orpo"}
-# Losses of a prompt's K responses at once (row_loss), not of its pairs.
+# Losses of a prompt's K responses at once (row_losses), not of its pairs.
 _LISTWISE = {"plackett_luce", "infonca", "nca", "lipo"}
-# Losses of each response alone, by its label (unpaired_loss), not of pairs.
+# Losses of each response alone, by its label (response_losses), not of pairs.
 _UNPAIRED = {"kto", "apo_zero_unpaired"}
 # Losses defined on length-averaged log-probs.
 _AVERAGED = {"simpo", "dpo_norm", "orpo"}
 # The losses f-DPO has a form for.
 _F_DIVERGENCE = {"dpo", "dpo_norm", "ipo", "hinge", "robust", "exo_pair", "discopop", "sft"}
-# Model config fields that reshape the logits after the output layer: its result must stay logits.
-_LOGIT_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-# The attention implementations that take a shared prompt's mask: boolean for SDPA, additive for
-# eager, a block mask for FlexAttention. Whether a model's attention takes that mask and the
-# positions exactly is probed (shared_prompt_refusal): its transformers code, not a list of names.
-_SHARED_PROMPT_ATTENTION = ("sdpa", "eager", "flex_attention")
-# The probe's verdicts, once per process: by (model type, attention, config as JSON), "" where
-# shared rows scored as separate ones, else why not (shared_prompt_refusal).
-_PROBED: dict[tuple, str] = {}
-# The probe's model: the model's own config with these fields made small where it sets them (not
-# None or 0): 4 heads of the model's own width (so that rotary dims and rope scaling tables stay
-# as they are; as many for keys and values, as latent attention needs), 16 small experts (groups
-# of routed experts keep 2 each), windows (sliding, local, chunked) shorter than its rows, token
-# ids dropped (the real ones lie outside the small vocabulary).
-_PROBE_SIZES = {
-    "vocab_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "num_kv_heads": 4,
-    "intermediate_size": 32,
-    "ffn_dim": 32,
-    "n_inner": 32,
-    "ffn_hidden_size": 32,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32,
-    "num_local_experts": 16,
-    "num_experts": 16,
-    "n_routed_experts": 16,
-    "moe_num_experts": 16,
-    "num_experts_per_tok": 2,
-    "sliding_window": 4,
-    "window_size": 4,
-    "attention_chunk_size": 4,
-    "pad_token_id": None,
-    "bos_token_id": None,
-    "eos_token_id": None,
+# Pair losses (by our names), which mix (a weighted sum) and take the options that act on pairs;
+# the others go alone.
+_MIXABLE = set(get_args(LossType)) - _LISTWISE - _UNPAIRED - {"orpo"} - set(_ALIASES)
+
+# The options' compatibility, checked by LossConfig: each option, when set away from its default,
+# goes only with these losses (or says why) and needs this of the run.
+_PAIRS = "a preference --loss (not sft alone)"
+_GOES_WITH = {
+    "ld_alpha": (_MIXABLE - {"sft"}, _PAIRS, "sft's and orpo's NLL take plain log-probs"),
+    "use_weighting": (
+        _MIXABLE - {"aot", "aot_pair"},
+        _PAIRS,
+        "aot and aot_pair sort pairs across the batch, so weights would not meet their own pair",
+    ),
+    "label_smoothing": (_MIXABLE, _PAIRS, "it acts on pairs"),
+    "f_divergence_type": (_F_DIVERGENCE, "a reference", "the others have no f-DPO form, as in TRL"),
+    "alphapo_alpha": (
+        _MIXABLE,
+        "no reference (--ref none, or simpo)",
+        "AlphaPO shapes reference-free rewards",
+    ),
+    "sync_ref_model": (
+        _MIXABLE | _LISTWISE | _UNPAIRED,
+        "a reference model (--ref online)",
+        "TR-DPO updates it",
+    ),
+}
+# Each number's range, [lowest, highest], and how an error says it; every one must be finite.
+_BELOW = math.nextafter
+_RANGES = {
+    "loss_weights": (-math.inf, math.inf, "a finite number"),
+    "beta": (_BELOW(0, 1), math.inf, "a finite number > 0"),
+    "label_smoothing": (0, _BELOW(0.5, 0), "in [0, 0.5)"),
+    "simpo_gamma": (-math.inf, math.inf, "a finite number"),
+    "discopop_tau": (_BELOW(0, 1), math.inf, "a finite number > 0"),
+    "score_temperature": (_BELOW(0, 1), math.inf, "a finite number > 0"),
+    "ld_alpha": (0, 1, "in [0, 1]"),
+    "f_alpha_divergence_coef": (-math.inf, math.inf, "a finite number"),
+    "desirable_weight": (0, math.inf, "a finite number >= 0"),
+    "undesirable_weight": (0, math.inf, "a finite number >= 0"),
+    "alphapo_alpha": (-math.inf, math.inf, "a finite number"),
+    "ref_model_mixup_alpha": (0, 1, "in [0, 1]"),
+    "ref_model_sync_steps": (1, math.inf, ">= 1"),
 }
 
 
@@ -230,79 +285,39 @@ class LossConfig:
             raise ValueError(
                 f"--loss-weights: {len(self.loss_weights)} weights for {len(self.loss)} --loss"
             )
-        if not 0 < self.beta < math.inf:
-            raise ValueError(f"--beta must be a finite number > 0, got {self.beta}")
-        finite = (*self.loss_weights, self.simpo_gamma, self.f_alpha_divergence_coef)
-        if not all(map(math.isfinite, (*finite, self.alphapo_alpha))):
+        for name, (low, high, said) in _RANGES.items():
+            for value in _values(getattr(self, name)):
+                if not (math.isfinite(value) and low <= value <= high):
+                    raise ValueError(f"--{_flag(name)} must be {said}, got {value}")
+        losses = " ".join(self.loss)
+        if len(self.loss) > 1 and set(self.loss) - _MIXABLE:
             raise ValueError(
-                "--loss-weights, --simpo-gamma, --f-alpha-divergence-coef and --alphapo-alpha must "
-                f"be finite numbers, got {list(self.loss_weights)}, {self.simpo_gamma}, "
-                f"{self.f_alpha_divergence_coef} and {self.alphapo_alpha}"
+                f"--loss {losses}: a listwise loss (plackett_luce, infonca, nca, lipo), an "
+                "unpaired one (kto, apo_zero_unpaired) or orpo goes alone"
             )
-        if not (0 <= self.desirable_weight < math.inf and 0 <= self.undesirable_weight < math.inf):
+        if self.ref == "none" and set(self.loss) - _MIXABLE:
             raise ValueError(
-                "--desirable-weight and --undesirable-weight must be finite numbers >= 0, got "
-                f"{self.desirable_weight} and {self.undesirable_weight}"
+                f"--ref none: --loss {losses} needs a reference (orpo has none to drop)"
             )
-        if not 0 <= self.label_smoothing < 0.5:
-            raise ValueError(f"--label-smoothing must be in [0, 0.5), got {self.label_smoothing}")
-        if not self.discopop_tau > 0:
-            raise ValueError(f"--discopop-tau must be > 0, got {self.discopop_tau}")
-        pair_options = (
-            self.ld_alpha is not None,
-            self.use_weighting,
-            self.label_smoothing > 0,
-            self.f_divergence_type != "reverse_kl",
-        )
-        alone = self.listwise or self.unpaired or "orpo" in self.loss
-        if alone and (len(self.loss) > 1 or any(pair_options)):
-            raise ValueError(
-                f"--loss {' '.join(self.loss)}: a listwise loss (plackett_luce, infonca, nca, "
-                "lipo), an unpaired one (kto, apo_zero_unpaired) or orpo goes alone, and without "
-                "the options that act on pairs (--ld-alpha, --use-weighting, --label-smoothing, "
-                "--f-divergence-type)"
-            )
-        if not self.score_temperature > 0:
-            raise ValueError(f"--score-temperature must be > 0, got {self.score_temperature}")
-        if (self.use_weighting or self.ld_alpha is not None) and not self.pairwise:
-            raise ValueError(
-                "--use-weighting and --ld-alpha weigh pairs: they need a preference --loss"
-            )
-        if self.ld_alpha is not None and not (
-            0 <= self.ld_alpha <= 1 and not {"sft", "orpo"} & set(self.loss)
-        ):
-            raise ValueError(
-                "--ld-alpha must be in [0, 1] and goes without --loss sft or orpo (whose NLL takes "
-                f"plain log-probs), got {self.ld_alpha} with --loss {' '.join(self.loss)}"
-            )
-        if self.use_weighting and {"aot", "aot_pair"} & set(self.loss):
-            raise ValueError(
-                "--use-weighting: aot and aot_pair sort pairs across the batch, so weights would "
-                "not meet their own pair's loss"
-            )
-        if self.f_divergence_type != "reverse_kl" and not set(self.loss) <= _F_DIVERGENCE:
-            raise ValueError(
-                f"--f-divergence-type {self.f_divergence_type} goes only with --loss "
-                f"{', '.join(sorted(_F_DIVERGENCE))}, got {' '.join(self.loss)}"
-            )
-        if (self.alphapo_alpha and (alone or not self.reference_free)) or (
-            self.ref == "none" and (alone or self.f_divergence_type != "reverse_kl")
-        ):
-            raise ValueError(
-                "--alphapo-alpha goes only with a reference-free pairwise loss (--ref none, or "
-                "simpo) but orpo; kto, apo_zero_unpaired, the listwise losses and "
-                "--f-divergence-type need a reference, and orpo has none to drop"
-            )
-        if self.sync_ref_model and (self.ref == "precompute" or self.reference_free):
-            raise ValueError(
-                "--sync-ref-model updates a reference model: not with --ref precompute (fixed "
-                "log-probs) or a reference-free --loss"
-            )
-        if not (0 <= self.ref_model_mixup_alpha <= 1 and self.ref_model_sync_steps >= 1):
-            raise ValueError(
-                "--ref-model-mixup-alpha must be in [0, 1] and --ref-model-sync-steps >= 1, got "
-                f"{self.ref_model_mixup_alpha} and {self.ref_model_sync_steps}"
-            )
+        has = {
+            _PAIRS: self.pairwise,
+            "a reference": not self.reference_free,
+            "no reference (--ref none, or simpo)": self.reference_free,
+            "a reference model (--ref online)": self.ref == "online" and not self.reference_free,
+        }
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, (losses_ok, needs, why) in _GOES_WITH.items():
+            if getattr(self, name) == defaults[name]:
+                continue
+            if not set(self.loss) <= losses_ok:
+                raise ValueError(
+                    f"--{_flag(name)} goes only with --loss {', '.join(sorted(losses_ok))} "
+                    f"({why}), got --loss {losses}"
+                )
+            if not has[needs]:
+                raise ValueError(
+                    f"--{_flag(name)} needs {needs}: got --loss {losses} --ref {self.ref}"
+                )
 
     @property
     def reference_free(self) -> bool:
@@ -331,6 +346,17 @@ class LossConfig:
         return loss_type in _AVERAGED or (loss_type == "ipo" and self.ipo_logps == "mean")
 
 
+def _values(value) -> tuple:
+    """An option's numbers: a tuple's own, a number as one, None as none."""
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, tuple) else (value,)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
 def flag_defaults() -> LossConfig:
     """LossConfig's defaults as a command line (tyro) sees them: tyro appends each repeated --loss
     and --loss-weights to its default, so these two start empty here; LossConfig reads empty as
@@ -341,609 +367,12 @@ def flag_defaults() -> LossConfig:
     return defaults
 
 
-# ---------------------------------------------------------------------------------------- log-probs
-def sequence_logps(
-    logits: torch.Tensor, labels: torch.Tensor, average: bool = False
-) -> torch.Tensor:
-    """(B,) float32 sum_t log p(labels_t | <t) per row, or with average=True the mean over counted
-    tokens (0 if none). logits: (B, T, V), any float dtype; labels: (B, T) as in Hugging Face (the
-    logits at t - 1 score the token at t: the shift happens here), IGNORE_INDEX where not counted.
-    No float32 copy of the logits is made: the log-softmax runs chunk by chunk over counted
-    positions only, and so does backward (see _TokenLogps)."""
-    if logits.shape[:2] != labels.shape or logits.device != labels.device:
-        raise ValueError(
-            f"logits {tuple(logits.shape)} on {logits.device} and labels {tuple(labels.shape)} on "
-            f"{labels.device} must agree on (B, T) and device"
-        )
-    batch, length = labels.shape
-    # Position t of the logits scores label t + 1.
-    mask = labels[:, 1:] != IGNORE_INDEX  # (B, T-1)
-    rows, cols = mask.nonzero(as_tuple=True)  # (N,) each
-    flat = logits.reshape(batch * length, -1)  # (B * T, V), a view
-    token_logps = _TokenLogps.apply(flat, rows * length + cols, labels[:, 1:][mask], None, False)
-    # Each row's tokens are consecutive: summed in order, without index_add_'s atomics, so the same
-    # inputs give the same bits.
-    total = torch.segment_reduce(token_logps, "sum", lengths=mask.sum(-1), unsafe=True, initial=0)
-    if average:
-        return total / mask.sum(-1).clamp(min=1)
-    return total
-
-
-def _chunk_rows(vocab: int, device: torch.device, matmul: bool = False) -> int:
-    """Rows per float32 (rows, V) chunk. A log-softmax alone on a CPU: a chunk small enough to stay
-    in cache. With the output layer's matmul, or on a GPU: large, as small matmuls are slow (at V =
-    128k, hundreds of rows)."""
-    if device.type == "cpu" and not matmul:
-        return max(1, 2**20 // vocab)
-    return max(1, 2**26 // vocab)
-
-
-class _TokenLogps(torch.autograd.Function):
-    """log softmax(logits)[targets] in float32, chunk by chunk over the N scored rows, where a row's
-    logits are x[index] (index None: x's rows in order), or x's rows through the output layer
-    `weight` (V, H) when given. Forward keeps only the (N,) log-sum-exp besides its inputs;
-    backward recomputes each chunk's softmax and writes d/dlogits = grad * (onehot(target) -
-    softmax) into x's gradient; through `weight`, in chunks of the vocabulary instead
-    (_head_backward). So no (N, V) float32 tensor ever exists, nor, with `weight`, any (N, V)
-    logits at all. squares=True returns (2N,): then each row's log sum_v p(v)^2 (WPO's), from the
-    same logits, which get no gradient through them."""
-
-    @staticmethod
-    def forward(ctx, x, index, targets, weight, squares):
-        """x: (M, V) logits or (N, H) hidden states; index: (N,) or None, None with weight;
-        targets: (N,); weight: (V, H) or None; squares: bool."""
-        n = len(targets)
-        chunk = _chunk_rows(
-            x.shape[-1] if weight is None else len(weight), x.device, matmul=weight is not None
-        )
-        out = torch.empty(2 * n if squares else n, dtype=torch.float32, device=x.device)
-        lse = torch.empty(n, dtype=torch.float32, device=x.device)
-        for i in range(0, n, chunk):
-            end = min(i + chunk, n)
-            # The chunk's (end - i, V) logits: x's rows, or those rows through the output layer.
-            rows = x[i:end] if index is None else x[index[i:end]]
-            # The chunk's float32 logits in a tensor of their own, which the log-sum-exp below works
-            # in: a copy of x's rows only where they are still x's (x[index] is a copy already).
-            logits = (
-                rows.to(torch.float32, copy=index is None)
-                if weight is None
-                else _product(rows, weight.T).float()
-            )
-            out[i:end] = logits.gather(-1, targets[i:end, None]).squeeze(-1)
-            top = logits.amax(-1, keepdim=True)  # (end - i, 1)
-            # In place, exp(logits - top): torch's logsumexp would make that (end - i, V) float32
-            # tensor inside itself, a second one beside the logits.
-            total = logits.sub_(top).exp_().sum(-1)
-            lse[i:end] = total.log() + top.squeeze(-1)
-            out[i:end] -= lse[i:end]
-            if squares:
-                # log sum_v p(v)^2 = log sum_v exp(2 (logits - top)) - 2 log sum_v exp(logits - top)
-                out[n + i : n + end] = logits.square_().sum(-1).log_() - 2 * total.log()
-        ctx.save_for_backward(x, index, targets, weight, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, index, targets, weight, lse = ctx.saved_tensors
-        # No gradient flows through the squares (WPO's weights).
-        grad = grad[: len(targets), None]
-        if weight is not None:
-            return _head_backward(x, targets, weight, lse, grad, ctx.needs_input_grad[3])
-        chunk = _chunk_rows(x.shape[-1], x.device)
-        grad_x = torch.zeros_like(x)
-        for i in range(0, len(targets), chunk):
-            rows = slice(i, i + chunk) if index is None else index[i : i + chunk]
-            g = grad[i : i + chunk]
-            # d/dlogits = g * (onehot(target) - softmax), (chunk, V). Out of place first: without
-            # index the chunk is a view of x, which must stay as it was.
-            d = x[rows].float().sub(lse[i : i + chunk, None]).exp_().mul_(-g)
-            grad_x[rows] = d.scatter_add_(-1, targets[i : i + chunk, None], g).to(x.dtype)
-        return grad_x, None, None, None, None
-
-
-def _head_backward(x, targets, weight, lse, grad, weight_grad: bool):
-    """_TokenLogps' gradients through the output layer, block by block over the vocabulary rather
-    than the rows: a block's (N, block) d/dlogits, recomputed from the saved log-sum-exp, times
-    the N rows is that block of the weight's gradient, whole (summed over every row in one matmul),
-    and is written straight into it in the weight's dtype. So the weight's gradient is the only
-    (V, H) tensor made: no float32 (V, H) sum of per-chunk parts, no (V, H) part per chunk, no
-    float32 copy to cast at the end. What sums across blocks is x's (N, H) gradient, in float32."""
-    # Vocabulary rows per block: an (N, block) float32 chunk as large as a (rows, V) one.
-    block = _chunk_rows(max(len(x), 1), x.device, matmul=True)
-    grad_x = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    grad_weight = torch.empty_like(weight) if weight_grad else None
-    for v in range(0, len(weight), block):
-        w = weight[v : v + block]
-        d = _product(x, w.T).float().sub_(lse[:, None]).exp_().mul_(-grad)
-        # The one-hot's column in this block; rows whose target is in another block add 0.
-        column = targets[:, None] - v
-        inside = (column >= 0) & (column < len(w))
-        d = d.scatter_add_(-1, column.clamp(0, len(w) - 1), grad * inside).to(x.dtype)
-        grad_x += _product(d, w)
-        if weight_grad:
-            # Into the gradient itself: a product made first and copied in would be a second
-            # (V, H) tensor when one block holds the whole vocabulary.
-            torch.mm(d.T, x, out=grad_weight[v : v + block])
-    return grad_x.to(x.dtype), None, None, grad_weight, None
-
-
-def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b in a's dtype; from bf16 or fp16 on CUDA in float32, as cuBLAS accumulates it, not
-    rounded to 8 bits of mantissa first (torch has no such CPU kernel)."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a @ b
-
-
-@dataclass
-class _Scoring:
-    """What ScoredHead.scoring asks of the output layer, and what it gives back."""
-
-    index: torch.Tensor
-    """(N,) flat (rows * T) positions, each one's hidden state predicting a scored token."""
-    targets: torch.Tensor
-    """(N,) the scored tokens."""
-    squares: bool
-    """Also each position's log sum_v p(v)^2 (WPO)."""
-    logps: torch.Tensor | None = None
-    """What the fused layer computed: (N,) float32 log-probs; with squares (2N,), the squares'
-    after them."""
-
-
-class ScoredHead(nn.Linear):
-    """A causal LM's linear output layer that can score response tokens alone (see add_scored_head).
-    Called as usual it returns logits (generation, Hugging Face's own loss). Inside scoring(), it
-    projects only the N hidden states of its flattened (rows * T, H) input that predict scored
-    tokens (no prompt or padding), fused into the chunked log-softmax: (N,) float32 log-probs, and
-    no (N, V) logits at all. Unfused (on a CPU, see FUSED_HEAD_ON_CPU; or with a bias, or a config
-    that reshapes logits after the layer, such as Gemma 2's soft-capping), it returns those N
-    positions' (N, V) logits, which the model finishes as usual."""
-
-    def __init__(self, head: nn.Linear, fusable: bool):
-        super().__init__(
-            head.in_features, head.out_features, bias=head.bias is not None, device="meta"
-        )
-        # The same parameters: ties and state-dict names are kept.
-        self.weight = head.weight
-        self.bias = head.bias
-        self.fusable = fusable
-        self._scoring = None
-
-    @contextlib.contextmanager
-    def scoring(self, index: torch.Tensor, targets: torch.Tensor, squares: bool = False):
-        """Score the tokens `targets` (N,) predicted at flat positions `index` (N,), as in a
-        batches.RowBatch, in the model's forwards inside; yields a record whose .logps the fused
-        layer fills: (N,) float32 log-probs, and with `squares` (2N,), each position's log sum_v
-        p(v)^2 after them. Unfused, .logps stays None and the model's logits are (N, V)."""
-        self._scoring = _Scoring(index, targets, squares)
-        try:
-            yield self._scoring
-        finally:
-            self._scoring = None
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        request = self._scoring
-        if request is None:
-            return super().forward(hidden)
-        scored = hidden.flatten(0, 1)[request.index]  # (N, H)
-        fused = self.fusable and (FUSED_HEAD_ON_CPU or scored.device.type != "cpu")
-        if not fused:
-            return super().forward(scored)  # (N, V)
-        request.logps = _TokenLogps.apply(
-            scored, None, request.targets, self.weight, request.squares
-        )
-        return request.logps
-
-
-@contextlib.contextmanager
-def fused_head():
-    """Inside, the output layer is fused into the loss on a CPU too, as on a GPU: for a memory plan
-    of a GPU's step traced on the CPU."""
-    global FUSED_HEAD_ON_CPU
-    before = FUSED_HEAD_ON_CPU
-    FUSED_HEAD_ON_CPU = True
-    try:
-        yield
-    finally:
-        FUSED_HEAD_ON_CPU = before
-
-
-def add_scored_head(model: nn.Module) -> nn.Module:
-    """Replace a Hugging Face causal LM's linear output layer by a ScoredHead in place, before
-    sharding or adapters."""
-    head = model.get_output_embeddings()
-    if not isinstance(head, nn.Linear):
-        raise ValueError(
-            f"{type(model).__name__}'s output layer is a {type(head).__name__}, not a linear layer"
-        )
-    fusable = head.bias is None and not any(getattr(model.config, k, None) for k in _LOGIT_EXTRAS)
-    model.set_output_embeddings(ScoredHead(head, fusable))
-    return model
-
-
-def response_logps(model, batch, ld_alpha: float | None = None, weighting: bool = False):
-    """(R,) float32 summed log-probs of each of the R responses, from a causal LM whose output
-    layer is a ScoredHead. batch: a batches.RowBatch, or anything with its input_ids (rows, T),
-    score_index, score_targets (N,), response_lengths (R,) and position_ids (None for right-padded
-    rows of one response each, which need no attention mask; else shared rows, given their mask:
-    _shared_prompt). ld_alpha (LD-DPO): instead the (2P,) [chosen; rejected] sums of the batch's
-    pairs (chosen_index, rejected_index, pair_tokens), tokens past the pair's shorter response
-    counting this much (_ld_sums). weighting=True (WPO) also returns (R,) log-weights, each
-    response's mean over its tokens of log p(token) - log sum_v p(v)^2, with no gradient."""
-    head = model.get_output_embeddings()
-    if not isinstance(head, ScoredHead):
-        raise ValueError(
-            f"{type(head).__name__} is not a ScoredHead: call loss.add_scored_head(model) first"
-        )
-    with head.scoring(batch.score_index, batch.score_targets, weighting) as scored:
-        output = model(input_ids=batch.input_ids, use_cache=False, **_shared_prompt(model, batch))
-    # Fused, the head scored the tokens itself; unfused, the model's logits are the (N, V) of the
-    # scored positions, as the model made them.
-    # (N,) log-probs; with weighting (2N,), the squares after them.
-    values = scored.logps
-    if values is None:
-        values = _TokenLogps.apply(output.logits, None, batch.score_targets, None, weighting)
-    n = len(batch.score_targets)
-    lengths = batch.response_lengths
-    token_logps = values[:n]
-    if ld_alpha is None:
-        sums = torch.segment_reduce(token_logps, "sum", lengths=lengths, unsafe=True, initial=0)
-    else:
-        sums = _ld_sums(token_logps, batch, ld_alpha)
-    if not weighting:
-        return sums
-    # WPO: log p(token) - log sum_v p(v)^2, averaged over each response's tokens.
-    aligned = (values[:n] - values[n:]).detach()
-    log_weights = torch.segment_reduce(aligned, "sum", lengths=lengths, unsafe=True, initial=0)
-    return sums, log_weights / lengths.clamp(min=1)
-
-
-def batch_logps(model, batch, ld_alpha: float | None = None, weighting: bool = False):
-    """response_logps of a batches.RowBatch; with KTO's mismatched completions (batch.parts), its
-    scored responses' log-probs, then the mismatched ones', from a forward of their own without
-    gradients (the KL estimate is a constant), run first so that its activations are freed at
-    once. Policy and reference score them in the same rows, alike where their weights agree."""
-    if not batch.parts:
-        return response_logps(model, batch, ld_alpha, weighting)
-    scored, mismatched = batch.parts
-    with torch.no_grad():
-        kl = response_logps(model, mismatched)
-    return torch.cat([response_logps(model, scored), kl])
-
-
-def _ld_sums(token_logps: torch.Tensor, batch, ld_alpha: float) -> torch.Tensor:
-    """(2P,) [chosen; rejected] LD-DPO log-probs of the batch's pairs: each side summed over its
-    first min(len chosen, len rejected) tokens, plus ld_alpha x the rest. A response in several
-    pairs is summed once per pair, each with its own cut. On the device: no host sync."""
-    lengths = batch.response_lengths
-    starts = lengths.cumsum(0) - lengths
-    side = torch.cat([batch.chosen_index, batch.rejected_index])  # (2P,)
-    other = torch.cat([batch.rejected_index, batch.chosen_index])
-    own = lengths[side]
-    total = batch.pair_tokens
-    # Each side's tokens laid end to end: `at` is a token's place within its response.
-    ends = own.cumsum(0)
-    at = torch.arange(total, device=own.device) - (ends - own).repeat_interleave(
-        own, output_size=total
-    )
-    tokens = token_logps[starts[side].repeat_interleave(own, output_size=total) + at]  # (M,)
-    cut = torch.minimum(own, lengths[other]).repeat_interleave(own, output_size=total)
-    tokens = torch.where(at >= cut, ld_alpha * tokens, tokens)
-    return torch.segment_reduce(tokens, "sum", lengths=own, unsafe=True, initial=0)
-
-
-def shared_prompt_refusal(config) -> str:
-    """Why a model of this config, in its attention implementation, does not score shared-prompt
-    rows as it scores separate rows, in a line; "" where it does. Probed once per process for each
-    model type, attention and config (_probe), on a copy of the config cut down, never on the
-    model itself."""
-    if config._attn_implementation not in _SHARED_PROMPT_ATTENTION:
-        return f"{config._attn_implementation} attention takes no dense mask"
-    if any(hasattr(value, "model_type") for value in vars(config).values()):
-        # The probe would build the parts of other configs (a vision tower) at their full size.
-        return f"{config.model_type} holds other models' configs: not probed"
-    key = (config.model_type, config._attn_implementation, config.to_json_string(use_diff=False))
-    if key not in _PROBED:
-        _PROBED[key] = _probe(config)
-    return _PROBED[key]
-
-
-def _probe(config) -> str:
-    """shared_prompt_refusal's verdict: a model of `config` cut down (_PROBE_SIZES; 2 layers, one
-    at least of each kind in layer_types) with random float32 weights on the CPU, from seed 0 (the
-    caller's random state kept; every rank agrees), scores a few pairs in shared and in separate
-    rows, whose (2B,) log-probs must agree within 1e-5 of the largest; or the error of a model
-    that refuses the mask or the positions (BLOOM's ALiBi, made from a 2D mask alone) or the cut."""
-    threads = torch.get_num_threads()
-    try:
-        import transformers  # only here: the rest of this file needs torch alone
-
-        # Tiny matrices: one thread is fastest, and spins on no other process's cores (seconds
-        # instead of milliseconds on a busy host).
-        torch.set_num_threads(1)
-        small = copy.deepcopy(config)
-        small.update({name: v for name, v in _PROBE_SIZES.items() if getattr(config, name, None)})
-        # 4 heads of the model's own width: its head_dim, or hidden_size over heads.
-        small.hidden_size = 4 * (
-            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        )
-        if getattr(config, "layer_types", None):
-            small.num_hidden_layers = max(2, len(set(config.layer_types)))
-            # Each kind's first layer, then the model's first layers up to two in all.
-            small.layer_types = [*dict.fromkeys(config.layer_types), *config.layer_types][
-                : small.num_hidden_layers
-            ]
-        with torch.random.fork_rng(devices=()), torch.no_grad():
-            torch.manual_seed(0)
-            # FlexAttention compiles on a CPU (tens of seconds; some masks fail to): probed in
-            # eager attention, which every model has, with the same mask (_mask) as a tensor.
-            model = add_scored_head(
-                transformers.AutoModelForCausalLM.from_config(
-                    small,
-                    attn_implementation=config._attn_implementation.replace(
-                        "flex_attention", "eager"
-                    ),
-                    dtype=torch.float32,
-                ).eval()
-            )
-            # (prompt, chosen, rejected) lengths: rows longer than the windows (4), responses of
-            # unequal lengths both ways, a one-token prompt, padding in both layouts.
-            pairs = [
-                [torch.randint(1, 64, (n,), device="cpu") for n in lengths]
-                for lengths in ((6, 4, 7), (1, 5, 2), (3, 2, 1))
-            ]
-            shared, separate = (response_logps(model, _probe_rows(pairs, s)) for s in (1, 0))
-    except Exception as e:  # a model that cannot take the layout (or be cut down): separate rows
-        return f"its probe raised {type(e).__name__}: " + str(e).strip().partition("\n")[0]
-    finally:
-        torch.set_num_threads(threads)
-    gap = (shared - separate).abs().max().item()
-    return (
-        f"its probe's shared rows scored {gap:.2g} off separate rows"
-        if gap > 1e-5 * separate.abs().max().item()
-        else ""
-    )
-
-
-def _probe_rows(pairs: list, share: bool) -> SimpleNamespace:
-    """batches.RowBatch's scoring fields as batches.collate_rows lays out pairs (that file is not
-    imported: this one is copied alone) for pairs of (prompt, chosen, rejected) (n,) int64 tensors
-    on the CPU: B shared rows [prompt | chosen | rejected], or 2B separate rows [prompt | chosen]
-    then [prompt | rejected] (the other response left empty)."""
-    rows = (
-        pairs
-        if share
-        else [[p, c, r[:0]] for p, c, r in pairs] + [[p, c[:0], r] for p, c, r in pairs]
-    )
-    width = max(sum(map(len, row)) for row in rows)
-    # Shared rows' positions, each response's starting where the prompt ends, and segments;
-    # padding is segment -1, at position 0.
-    positions = [
-        torch.cat(
-            [
-                torch.arange(len(t), device="cpu") + min(s, 1) * len(row[0])
-                for s, t in enumerate(row)
-            ]
-        )
-        for row in rows
-    ]
-    segments = [torch.cat([torch.full_like(t, s) for s, t in enumerate(row)]) for row in rows]
-    return SimpleNamespace(
-        input_ids=pad_sequence([torch.cat(row) for row in rows], True),  # (rows, T)
-        # Token j of response k (1 chosen, 2 rejected) in row r: predicted at flat position
-        # r * width + prompt - 1 + j, past the chosen tokens too for the rejected ones but the first
-        # (which the prompt's last position predicts).
-        score_index=torch.tensor(
-            [
-                r * width + len(row[0]) - 1 + j + (j > 0) * (k - 1) * len(row[1])
-                for k in (1, 2)
-                for r, row in enumerate(rows)
-                for j in range(len(row[k]))
-            ],
-            device="cpu",
-        ),
-        score_targets=torch.cat([pair[k] for k in (1, 2) for pair in pairs]),
-        response_lengths=torch.tensor(
-            [len(pair[k]) for k in (1, 2) for pair in pairs], device="cpu"
-        ),
-        # Separate rows are causal: given no positions and no mask.
-        position_ids=pad_sequence(positions, True) if share else None,
-        segment_ids=pad_sequence(segments, True, -1) if share else None,
-    )
-
-
-def _shared_prompt(model, batch) -> dict:
-    """The position_ids and attention mask of a batches.RowBatch of shared rows; {} for separate
-    rows (causal: no mask). The mask as the model's transformers code builds its own: one per kind
-    of layer where the config has layer_types (narrowed to config.sliding_window on
-    "sliding_attention" layers: Qwen2, Gemma 2 and 3), else one for every layer, narrowed to
-    config.sliding_window where that is set (Mistral, Starcoder2)."""
-    if batch.position_ids is None:
-        return {}
-    config = model.config
-    window = getattr(config, "sliding_window", None)
-    return {
-        "position_ids": batch.position_ids,
-        "attention_mask": {
-            kind: _mask(config, batch, window if kind == "sliding_attention" else None)
-            for kind in set(getattr(config, "layer_types", None) or ())
-        }
-        or _mask(config, batch, window),
-    }
-
-
-def _mask(config, batch, window: int | None):
-    """The attention mask of shared rows, in the form the model's attention takes: a token sees the
-    earlier tokens of the prompt and of its own segment, and with a `window` only those fewer than
-    `window` positions back. (B, 1, T, T) boolean for SDPA, additive float for eager; for
-    FlexAttention a block mask, which skips the blocks masked whole."""
-    segments = batch.segment_ids
-    positions = batch.position_ids
-    rows, length = segments.shape
-
-    def seen(b, h, q, k):
-        visible = (k <= q) & ((segments[b, k] == 0) | (segments[b, k] == segments[b, q]))
-        if window:
-            visible = visible & (positions[b, q] - positions[b, k] < window)
-        return visible
-
-    if config._attn_implementation == "flex_attention":
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        return create_block_mask(seen, rows, None, length, length, device=segments.device)
-    at = torch.arange(length, device=segments.device)
-    mask = seen(torch.arange(rows, device=at.device)[:, None, None], None, at[:, None], at)
-    if config._attn_implementation == "eager":
-        # Eager attention adds the mask to the scores.
-        return torch.zeros(mask.shape, device=at.device).masked_fill_(~mask, -torch.inf)[:, None]
-    return mask[:, None]  # (B, 1, T, T)
-
-
-def pair_logps(
-    policy, reference, batch, objective: LossConfig, ref_logps: torch.Tensor | None = None
-) -> dict:
-    """The log-probs a batches.RowBatch's loss needs, under `objective`: "logps" (2P,) [chosen;
-    rejected] of its pairs (summed; LD-DPO's with --ld-alpha) from the policy (sft alone: each row's
-    best response then as many 0s, for B pairs); "ref_logps" the same of the reference, from
-    `ref_logps` when given (precomputed: per response as response_logps gives them, per pair side
-    with --ld-alpha), else the `reference` model (no gradient), else None (reference-free);
-    "log_weights" (2P,) WPO's with --use-weighting, else None; "logratios" (R,) each response's
-    policy - reference log-prob (None with --ld-alpha, whose log-probs are per pair, or with no
-    reference); "responses" the policy's log-probs before they were laid out as pairs."""
-    # The reference first, so that its activations are freed before the policy's exist.
-    if ref_logps is None and reference is not None:
-        with torch.no_grad():
-            ref_logps = batch_logps(reference, batch, objective.ld_alpha)
-    if not objective.pairwise:
-        # SFT scores each row's best response alone (the batch holds no others).
-        best = response_logps(policy, batch)
-        return {
-            "logps": torch.cat([best, torch.zeros_like(best)]),
-            "ref_logps": None,
-            "log_weights": None,
-            "logratios": None,
-        }
-    log_weights = None
-    logps = batch_logps(policy, batch, objective.ld_alpha, objective.use_weighting)
-    if objective.use_weighting:
-        logps, log_weights = logps
-        log_weights = pair_sides(log_weights, batch)
-    # ORPO's scored prompts come after the responses: each pair's, for its NLL.
-    prompts = None
-    if batch.scored_prompts:
-        responses = len(batch.response_rows)
-        prompts = logps[responses:][batch.response_rows[batch.chosen_index]]
-        logps = logps[:responses]
-        ref_logps = None if ref_logps is None else ref_logps[:responses]
-    out = {
-        "logps": logps,
-        "ref_logps": ref_logps,
-        "log_weights": log_weights,
-        "logratios": None,
-        "responses": logps,
-        "prompt_logps": prompts,
-    }
-    if objective.ld_alpha is None:
-        if ref_logps is not None:
-            out["logratios"] = logps - ref_logps
-            out["ref_logps"] = pair_sides(ref_logps, batch)
-        out["logps"] = pair_sides(logps, batch)
-    return out
-
-
-def batch_loss(
-    policy,
-    reference,
-    batch,
-    objective: LossConfig,
-    ref_logps: torch.Tensor | None = None,
-    tokens_per_pair: float | None = None,
-) -> dict[str, torch.Tensor]:
-    """The objective on a batches.RowBatch: pair_logps, then pair_loss's (P,) tensors, whose
-    "losses" a listwise objective replaces by row_loss's (B,), one per row, and an unpaired one by
-    unpaired_loss's (R,), one per response; "units" (the row of each loss), "pair_rows" (the row
-    of each pair's values) and pair_logps' "logratios" (R,). An unpaired loss gives its rewards
-    and log-probs per response, NaN off their label ("chosen_*" on desirable responses), with its
-    pairs' rewards (2P,) as "pair_rewards", and "kl". tokens_per_pair as in pair_loss."""
-    scored = pair_logps(policy, reference, batch, objective, ref_logps)
-    pair_rows = batch.response_rows[batch.chosen_index]
-    if objective.unpaired:
-        out = unpaired_loss(scored["logratios"], batch, objective)
-        real = len(out["losses"])
-        rewards = out["rewards"]
-        logps = scored["responses"][:real].detach().float()
-        good = batch.desirable
-        return {
-            "losses": out["losses"],
-            "units": batch.response_rows[:real],
-            "pair_rows": batch.response_rows[:real],
-            "chosen_rewards": torch.where(good, rewards, math.nan),
-            "rejected_rewards": torch.where(good, math.nan, rewards),
-            "chosen_logps": torch.where(good, logps, math.nan),
-            "rejected_logps": torch.where(good, math.nan, logps),
-            "pair_rewards": pair_sides(rewards, batch).chunk(2),
-            "kl": out["kl"],
-            "logratios": None,
-        }
-    out = pair_loss(
-        scored["logps"],
-        scored["ref_logps"],
-        pair_sides(batch.response_lengths, batch),
-        objective,
-        tokens_per_pair,
-        scored["log_weights"],
-        scored.get("prompt_logps"),
-    )
-    out["units"] = pair_rows
-    out["pair_rows"] = pair_rows
-    if objective.listwise or not objective.pairwise:
-        out["units"] = torch.arange(len(batch.scores), device=pair_rows.device)
-    if objective.listwise:
-        out["losses"] = row_loss(scored["logratios"], batch, objective)
-    if not objective.pairwise:
-        # SFT alone: each row's best response stands for its one pair, against nothing.
-        out["pair_rows"] = out["units"]
-        out["rejected_rewards"] = None
-    return {**out, "logratios": scored["logratios"]}
-
-
-def unpaired_loss(logratios: torch.Tensor, batch, objective: LossConfig) -> dict:
-    """KTO (Ethayarajh et al. 2024, Eq. 7, as TRL's KTOTrainer) or APO-zero-unpaired of a
-    batches.RowBatch's labelled responses, from (R + M,) policy - reference log-probs of its R
-    responses then its M mismatched ones (batch.mismatched; kto only). With h a response's
-    log-ratio, s = sigmoid and z0 the KL estimate (the mismatched log-ratios' mean over this
-    micro-batch, averaged over the ranks, clamped at 0, no gradient; 0 for apo_zero_unpaired),
-    each response by its label (batch.desirable):
-
-        desirable     desirable_weight x (1 - s(beta (h - z0)))
-        undesirable   undesirable_weight x (1 - s(beta (z0 - h)))
-
-    Returns (R,) "losses" and "rewards" (beta h, no gradient) and () "kl" (z0)."""
-    real = len(logratios) - batch.mismatched
-    h = logratios.float()
-    kl = torch.zeros((), device=h.device)
-    if batch.mismatched:
-        kl = h[real:].detach().mean()
-        if dist.is_initialized():
-            # TRL's gather, then mean: each rank's micro-batch mean counts alike.
-            dist.all_reduce(kl)
-            kl = kl / dist.get_world_size()
-        kl = kl.clamp(min=0)
-    desirable = objective.desirable_weight * (1 - torch.sigmoid(objective.beta * (h[:real] - kl)))
-    undesirable = objective.undesirable_weight * (
-        1 - torch.sigmoid(objective.beta * (kl - h[:real]))
-    )
-    return {
-        "losses": torch.where(batch.desirable, desirable, undesirable),
-        "rewards": objective.beta * h[:real].detach(),
-        "kl": kl,
-    }
-
-
-def kto_weight_advice(desirable: int, undesirable: int, objective: LossConfig) -> str:
-    """TRL's advice where desirable and undesirable responses are unbalanced and neither
+def kto_weight_advice(labels: list[bool], objective: LossConfig) -> str:
+    """TRL's advice where desirable (True) and undesirable `labels` are unbalanced and neither
     --desirable-weight nor --undesirable-weight lies in the range that makes up for it (KTO paper,
     Eq. 8); "" where one does."""
+    desirable = sum(labels)
+    undesirable = len(labels) - desirable
     d = max(desirable, 1)
     u = max(undesirable, 1)
     wd = objective.desirable_weight
@@ -959,31 +388,54 @@ def kto_weight_advice(desirable: int, undesirable: int, objective: LossConfig) -
     )
 
 
-def pair_sides(values: torch.Tensor, batch) -> torch.Tensor:
-    """(2P,) [chosen; rejected] of a batches.RowBatch's pairs from (R,) per-response values."""
-    return values[torch.cat([batch.chosen_index, batch.rejected_index])]
-
-
 # ------------------------------------------------------------------------------------------- losses
-def pair_loss(
+@dataclass
+class Losses:
+    """What each entry point returns for a micro-batch: the losses, not reduced, and what is logged
+    of them. Every field has one shape whatever the loss; all but `losses` carry no gradient."""
+
+    losses: torch.Tensor
+    """(U,) float32: one loss per unit, which `unit` names."""
+    unit: Literal["pair", "row", "response"]
+    """What a loss is of: a pair (pair_losses; for sft alone a row's best response), a prompt's
+    row of K responses (row_losses) or one response (response_losses)."""
+    chosen_rewards: torch.Tensor
+    """(P,) float32: each pair's preferred response's reward (the first preference loss's)."""
+    rejected_rewards: torch.Tensor | None
+    """(P,) float32: the other response's; None for sft alone, which has no pairs."""
+    chosen_logps: torch.Tensor
+    """(P,) float32: the policy's log-probs of the preferred responses (per token for a loss on
+    means)."""
+    rejected_logps: torch.Tensor | None
+    """(P,) float32: the other responses'; None for sft alone."""
+    response_rewards: torch.Tensor | None = None
+    """(R,) float32: each response's reward, for an unpaired loss (logged by label); else None."""
+    response_logps: torch.Tensor | None = None
+    """(R,) float32: each response's log-prob, for an unpaired loss; else None."""
+    kl: torch.Tensor | None = None
+    """() float32: KTO's reference point z0 (0 for apo_zero_unpaired); None for other losses."""
+    logratios: torch.Tensor | None = None
+    """(R,) float32: each response's policy - reference log-prob, where the caller has them (for
+    ranking metrics); else None."""
+
+
+def pair_losses(
+    objective: LossConfig,
     logps: torch.Tensor,
     ref_logps: torch.Tensor | None,
-    response_lengths: torch.Tensor,
-    objective: LossConfig,
+    lengths: torch.Tensor,
     tokens_per_pair: float | None = None,
     log_weights: torch.Tensor | None = None,
     prompt_logps: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """(B,) float32 "losses", "chosen_rewards", "rejected_rewards", "chosen_logps", "rejected_logps"
-    under `objective` (its --loss-weights sum of losses; rewards and log-probs are its first
-    preference loss's), from (2B,) [chosen; rejected] log-probs of the policy (sft alone: rejected
-    ones 0, not computed) and the reference (None for a reference-free loss); see preference_loss
-    for f-DPO. response_lengths: (2B,) tokens per response, for losses on mean log-probs.
-    tokens_per_pair: the batch's mean chosen tokens per pair, for sft's NLL. log_weights: (2B,)
-    WPO's (pair_logps), or None; each pair's loss is scaled by exp(its chosen + rejected).
-    prompt_logps: (B,) each pair's prompt's summed log-probs (its tokens but the first), for
-    orpo's NLL, which counts them beside the chosen response's (tokens_per_pair then counts
-    them too)."""
+) -> Losses:
+    """(P,) losses of P pairs under `objective` (its --loss-weights sum of pair losses; rewards and
+    log-probs are its first preference loss's), from (2P,) [chosen; rejected] summed log-probs of
+    the policy (sft alone: each row's best response, then P zeros) and the reference (None:
+    reference-free). lengths: (2P,) tokens per response, for losses on means. tokens_per_pair: the
+    step's mean chosen tokens per pair, for sft's NLL. log_weights: (2P,) WPO's, or None; each
+    pair's loss is scaled by exp(its chosen + rejected). prompt_logps: (P,) each pair's prompt's
+    summed log-probs (its tokens but the first), for orpo's NLL, which counts them beside the
+    chosen response's."""
     scores = logps
     ref_scores = ref_logps
     if objective.f_divergence_type != "reverse_kl" and ref_logps is not None:
@@ -992,46 +444,134 @@ def pair_loss(
             logps - ref_logps, objective.f_divergence_type, objective.f_alpha_divergence_coef
         )
         ref_scores = torch.zeros_like(scores)
-    # The loss whose rewards and log-probs are logged: the first preference loss.
-    shown = next((name for name in objective.loss if name != "sft"), "sft")
+    pairs = len(logps) // 2
     losses = 0.0
-    out = {}
     for loss_type, weight in zip(objective.loss, objective.loss_weights):
-        per_token = response_lengths.clamp(min=1) if objective.averages(loss_type) else 1
-        refs = (None, None) if ref_scores is None else (ref_scores / per_token).chunk(2)
-        rewards = scores / per_token
-        if objective.alphapo_alpha:
-            # AlphaPO: (1 - p^-alpha) / alpha of p = e^(log-prob), written so that a summed
-            # log-prob's tiny p does not overflow p^-alpha.
-            alpha = objective.alphapo_alpha
-            rewards = (1 - torch.exp(-alpha * rewards)) / alpha
-        # A listwise loss's pairs log dpo's rewards; its losses are row_loss's, per row.
-        part, chosen_rewards, rejected_rewards = preference_loss(
-            *rewards.chunk(2),
-            *refs,
-            loss_type="dpo" if loss_type in _LISTWISE else loss_type,
-            beta=objective.beta,
-            label_smoothing=objective.label_smoothing,
-            simpo_gamma=objective.simpo_gamma,
-            discopop_tau=objective.discopop_tau,
-        )
         if loss_type == "sft":
-            part = chosen_nll(logps[: len(part)], tokens_per_pair)
+            part = chosen_nll(logps[:pairs], tokens_per_pair)
+        else:
+            policy, reference = _pair_inputs(objective, loss_type, scores, ref_scores, lengths)
+            part, _, _ = preference_loss(
+                *policy.chunk(2),
+                *_halves(reference),
+                loss_type=loss_type,
+                beta=objective.beta,
+                label_smoothing=objective.label_smoothing,
+                simpo_gamma=objective.simpo_gamma,
+                discopop_tau=objective.discopop_tau,
+            )
         if loss_type == "orpo":
-            part = part + chosen_nll(logps[: len(part)] + prompt_logps, tokens_per_pair)
+            part = part + chosen_nll(logps[:pairs] + prompt_logps, tokens_per_pair)
         losses = losses + weight * part
-        if loss_type == shown and not out:
-            chosen, rejected = (logps / per_token).detach().chunk(2)
-            out = {
-                "chosen_rewards": chosen_rewards,
-                "rejected_rewards": rejected_rewards,
-                "chosen_logps": chosen,
-                "rejected_logps": rejected,
-            }
     if log_weights is not None:
         # WPO: each pair's loss times w_chosen * w_rejected.
-        losses = losses * log_weights.view(2, -1).sum(0).exp()  # (2B,) -> (2, B) -> (B,)
-    return {"losses": losses, **out}
+        losses = losses * log_weights.view(2, -1).sum(0).exp()  # (2P,) -> (2, P) -> (P,)
+    # The loss whose rewards and log-probs are logged: the first preference loss.
+    shown = next((name for name in objective.loss if name != "sft"), "sft")
+    policy, reference = _pair_inputs(objective, shown, scores, ref_scores, lengths)
+    chosen_rewards, rejected_rewards = _rewards(objective.beta, policy, reference).chunk(2)
+    chosen_logps, rejected_logps = (logps / _per_token(objective, shown, lengths)).detach().chunk(2)
+    if not objective.pairwise:
+        rejected_rewards = rejected_logps = None
+    return Losses(losses, "pair", chosen_rewards, rejected_rewards, chosen_logps, rejected_logps)
+
+
+def row_losses(
+    objective: LossConfig,
+    logratios: torch.Tensor,
+    scores: torch.Tensor,
+    logps: torch.Tensor,
+    ref_logps: torch.Tensor,
+) -> Losses:
+    """(B,) listwise losses (listwise_loss, objective.loss[0]) of B prompts' rows from (B, K)
+    summed policy - reference log-probs of their responses and (B, K) scores (NaN past a row's own
+    K); the rewards and log-probs logged are dpo's of the pairs the rows give, from (2P,) [chosen;
+    rejected] summed log-probs of the policy and the reference."""
+    losses = listwise_loss(
+        logratios,
+        scores,
+        ~scores.isnan(),
+        objective.loss[0],
+        objective.beta,
+        objective.score_temperature,
+    )
+    chosen_rewards, rejected_rewards = _rewards(objective.beta, logps, ref_logps).chunk(2)
+    chosen_logps, rejected_logps = logps.detach().float().chunk(2)
+    return Losses(losses, "row", chosen_rewards, rejected_rewards, chosen_logps, rejected_logps)
+
+
+def response_losses(
+    objective: LossConfig,
+    logratios: torch.Tensor,
+    logps: torch.Tensor,
+    desirable: torch.Tensor,
+    kl: torch.Tensor,
+    chosen_index: torch.Tensor,
+    rejected_index: torch.Tensor,
+) -> Losses:
+    """KTO (Ethayarajh et al. 2024, Eq. 7, as TRL's KTOTrainer) or APO-zero-unpaired of R labelled
+    responses, from their (R,) policy - reference log-probs h, (R,) policy log-probs and (R,) bool
+    labels (True: desirable). kl: () the reference point z0 (KTO's estimate, which the caller makes
+    from mismatched completions, over the ranks, clamped at 0, without gradient; 0 for
+    apo_zero_unpaired). With s = sigmoid, each response by its label:
+
+        desirable     desirable_weight x (1 - s(beta (h - z0)))
+        undesirable   undesirable_weight x (1 - s(beta (z0 - h)))
+
+    The rewards (beta h) are logged by label, and over the (P,) pairs of a prompt's desirable and
+    undesirable responses (chosen_index, rejected_index: indices into the R) for accuracy and
+    margin."""
+    h = logratios.float()
+    beta = objective.beta
+    good = objective.desirable_weight * (1 - torch.sigmoid(beta * (h - kl)))
+    bad = objective.undesirable_weight * (1 - torch.sigmoid(beta * (kl - h)))
+    rewards = beta * h.detach()
+    logps = logps.detach().float()
+    return Losses(
+        torch.where(desirable, good, bad),
+        "response",
+        rewards[chosen_index],
+        rewards[rejected_index],
+        logps[chosen_index],
+        logps[rejected_index],
+        response_rewards=rewards,
+        response_logps=logps,
+        kl=kl,
+    )
+
+
+def _per_token(objective: LossConfig, loss_type: str, lengths: torch.Tensor):
+    """What a loss divides its log-probs by: the responses' lengths for a loss on means, else 1."""
+    return lengths.clamp(min=1) if objective.averages(loss_type) else 1
+
+
+def _pair_inputs(objective: LossConfig, loss_type: str, scores, ref_scores, lengths) -> tuple:
+    """(policy, reference) (2P,) as `loss_type` takes them: per token where it averages, AlphaPO's
+    reward shape on the policy's; reference None where there is none."""
+    per_token = _per_token(objective, loss_type, lengths)
+    policy = scores / per_token
+    if objective.alphapo_alpha:
+        # AlphaPO: (1 - p^-alpha) / alpha of p = e^(log-prob), written so that a summed log-prob's
+        # tiny p does not overflow p^-alpha.
+        alpha = objective.alphapo_alpha
+        policy = (1 - torch.exp(-alpha * policy)) / alpha
+    if ref_scores is None:
+        return policy, None
+    return policy, ref_scores / per_token
+
+
+def _halves(values: torch.Tensor | None) -> tuple:
+    """(chosen, rejected) of (2P,) values; (None, None) for None."""
+    if values is None:
+        return None, None
+    return values.chunk(2)
+
+
+def _rewards(beta: float, policy: torch.Tensor, reference: torch.Tensor | None) -> torch.Tensor:
+    """(2P,) float32 implicit rewards beta (policy - reference), None as 0; no gradient."""
+    if reference is None:
+        return beta * policy.float().detach()
+    return beta * (policy.float() - reference.float()).detach()
 
 
 def preference_loss(
@@ -1045,54 +585,11 @@ def preference_loss(
     simpo_gamma: float = LossConfig.simpo_gamma,
     discopop_tau: float = LossConfig.discopop_tau,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-pair preference losses (not reduced) and implicit rewards (detached: beta * (policy -
-    reference)), each (B,) float32. The log-probs are (B,), summed or averaged (simpo, dpo_norm, and
-    ipo by default); the reference ones may be None, taken as 0 (reference-free: simpo, sft, or
-    any loss with --ref none, as CPO's sigmoid, hinge and ipo are dpo, hinge and ipo). With c =
-    pi_c - ref_c, r = pi_r - ref_r, h = c - r, z = beta h, eps = label_smoothing and s = sigmoid:
-
-        dpo        -(1 - eps) log s(z) - eps log s(-z)                DPO Eq. 7; cDPO when eps > 0
-                   (sigmoid, TRL's name for it, is the same)
-        ipo        (h - 1 / (2 beta))^2                               IPO Eq. 17 (mean log-probs
-                                                                      by default)
-        hinge      max(0, 1 - z)                                      SLiC Eq. 2
-        robust     (-(1 - eps) log s(z) + eps log s(-z)) / (1 - 2 eps)   rDPO Eq. 8
-        simpo      dpo's formula on z = beta (pi_c - pi_r) - simpo_gamma   SimPO Eq. 6, mean
-                                                                      log-probs (CPO's simpo)
-        exo_pair   s(z) (log s(z) - log(1 - e)) + s(-z) (log s(-z) - log e),
-                   e = eps or 1e-3                                    EXO Eq. 16
-        nca_pair   -log s(beta c) - log s(-beta c) / 2 - log s(-beta r) / 2   NCA
-        bco_pair   -log s(beta c - d) - log s(-(beta r - d)),
-                   d = the batch mean of beta c and beta r            BCO
-        sppo_hard  (c - 1 / (2 beta))^2 + (r + 1 / (2 beta))^2        SPPO
-        apo_zero   (1 - s(beta c)) + s(beta r)                        APO-zero
-        apo_down   s(beta c) + (1 - s(z))                             APO-down
-        discopop   (1 - m) (-log s(z)) + m exp(-z), m = s(z / discopop_tau)   DiscoPOP Eq. 5
-                   (m exp(-z) as exp(log m - z): for z < -88.7, exp(-z) alone overflows
-                   float32, and 0 x inf is NaN)
-        aot        dpo's formula on z = beta (sort(pi_c - pi_r) - sort(ref_c - ref_r)),
-                   sorted over the batch                              AOT
-        aot_pair   dpo's formula on z = beta (sort(c) - sort(r)), sorted over the batch   AOT
-        dpo_norm   dpo on mean log-probs                              Tulu 3
-        orpo       -beta log s(log odds(pi_c) - log odds(pi_r)), log odds(x) = x - log(1 - e^x),
-                   on mean log-probs; pair_loss adds its NLL          ORPO Eq. 6-7
-        sft        0: all of SFT's loss is chosen_nll, which pair_loss puts in its place
-
-    Around these, in pair_loss and response_logps (TRL's names):
-
-        loss list      sum_i loss_weights_i x (batch mean of loss_i)         MPO; RPO: dpo + sft
-        f_divergence   c, r -> f'(e^c), f'(e^r) on summed log-ratios, averaged after;
-                       rewards beta f'                                       f-DPO
-                       forward_kl 1 - e^-c, js_divergence log 2 + log s(c),
-                       alpha_divergence (e^((a-1)c) - 1) / (a-1)
-        use_weighting  each pair's loss x w_c w_r,
-                       log w = mean_t log p(y_t) - log sum_v p(v)^2 (policy, no grad)   WPO
-        ld_alpha       log pi(y) = sum over its first min(|y_c|, |y_r|) tokens
-                       + ld_alpha x the rest (policy and reference)          LD-DPO
-        alpha (CPO)    pi -> (1 - e^(-alpha pi)) / alpha, reference-free     AlphaPO
-
-    bco_pair, aot and aot_pair compare pairs within the batch, so their value depends on how the
-    batch is split into micro-batches."""
+    """Per-pair preference losses (not reduced), the module docstring's table, and implicit rewards
+    (detached: beta * (policy - reference)), each (B,) float32. The log-probs are (B,), summed or
+    averaged (simpo, dpo_norm, and ipo by default); the reference ones may be None, taken as 0
+    (reference-free: simpo, or any loss with --ref none, as CPO's sigmoid, hinge and ipo are dpo,
+    hinge and ipo). sft's loss is chosen_nll, not this: its row here is 0."""
     if ref_chosen_logps is None or ref_rejected_logps is None:
         ref_chosen_logps = ref_rejected_logps = torch.zeros_like(policy_chosen_logps)
     pc = policy_chosen_logps.float()
@@ -1150,23 +647,6 @@ def preference_loss(
             f"unknown loss_type {loss_type!r}; choose one of {', '.join(get_args(LossType))}"
         )
     return losses, beta * c.detach(), beta * r.detach()
-
-
-def row_loss(logratios: torch.Tensor, batch, objective: LossConfig) -> torch.Tensor:
-    """(B,) float32 listwise losses (listwise_loss) of a batches.RowBatch's rows from (R,)
-    per-response policy - reference log-probs (pair_logps' "logratios")."""
-    rows, most = batch.scores.shape
-    flat = torch.zeros(rows * most, device=logratios.device).index_put(
-        (batch.response_rows * most + batch.response_columns,), logratios.float()
-    )
-    return listwise_loss(
-        flat.view(rows, most),  # (B, K)
-        batch.scores,
-        ~batch.scores.isnan(),
-        objective.loss[0],
-        objective.beta,
-        objective.score_temperature,
-    )
 
 
 def listwise_loss(

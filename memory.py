@@ -16,16 +16,20 @@ Copyable on its own: imports only the standard library and torch. This runs as w
 
     store = dist.HashStore()  # a world of one, in this process
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    with torch.device("meta"):  # parameters as shapes alone: the plan reads no weights
-        model = nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 512))
-    fully_shard(model)  # sharded as in training
+
+    def build():  # (policy, reference) as training builds them, sharded
+        with torch.device("meta"):  # parameters as shapes alone: the plan reads no weights
+            model = nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 512))
+        return fully_shard(model), None
+
+    def collate(size):  # a host batch of `size` rows of 256 tokens
+        return torch.zeros(size * 256, 512)
 
     def micro_batch(model, rows):  # forward and backward of one micro-batch
         model(rows).square().mean().backward()
 
-    # {micro-batch size: its batch}, of rows of 256 tokens: a step's peak at each, and its parts
-    rows = {size: torch.zeros(size * 256, 512) for size in (1, 2, 4)}
-    plan = memory.plan_memory(model, None, micro_batch, rows, 4, torch.device("cpu"))
+    # 4 rows per GPU per step: a step's peak at each micro-batch size (1, 2, 4), and its parts
+    plan = memory.plan_run(build, collate, micro_batch, 4, torch.device("cpu"))
     print(memory.format_plan(plan, card_gb=80.0, size=4, title="memory plan:"))
     print(memory.largest_fitting(plan, card_gb=80.0))  # ValueError if none fits
     dist.destroy_process_group()
@@ -36,6 +40,7 @@ buffers) and its fragmentation are the stated RESERVED_GB and FITS: a micro-batc
 its peak plus RESERVED_GB is at most FITS of the card.
 """
 
+import contextlib
 import logging
 import math
 import os
@@ -122,6 +127,41 @@ def planned_gpus(config: PlanConfig) -> int:
     )
 
 
+def plan_run(
+    build,
+    collate,
+    micro_batch,
+    per_rank: int,
+    device: torch.device,
+    sizes: list[int] | None = None,
+    unsharded_accumulation: bool = False,
+    offload: bool = False,
+    parts_from: dict[str, str] | None = None,
+    context: contextlib.AbstractContextManager | None = None,
+) -> Plan:
+    """The plan (plan_memory) of a run's step on the models and rows that the run's own code makes:
+    build() -> (policy, reference) as plan_memory takes them; collate(size) -> the host batch
+    traced at micro-batch `size` (its longest rows, for a bound); at `sizes`, else at each of
+    micro_batch_sizes(per_rank). `context` is entered around the trace alone: say, one that sends
+    the model down a GPU's path on a CPU. The rest is plan_memory's. Callables, not models and
+    batches: this file imports none of the run's code, and the run hands over how it builds and
+    lays out, so that what is planned is what trains."""
+    rows = {size: collate(size) for size in sizes or micro_batch_sizes(per_rank)}
+    policy, reference = build()
+    with context or contextlib.nullcontext():
+        return plan_memory(
+            policy,
+            reference,
+            micro_batch,
+            rows,
+            per_rank,
+            device,
+            unsharded_accumulation,
+            offload,
+            parts_from,
+        )
+
+
 def plan_memory(
     policy: nn.Module,
     reference: nn.Module | None,
@@ -145,7 +185,9 @@ def plan_memory(
     micro-batch (no reduction: unsharded gradients kept) is traced too. parts_from: {source file:
     part}, naming storages that code in that file makes (say, the loss's: "output layer and
     loss"); FSDP2's own are its gathered blocks and reductions, what the step leaves in .grad the
-    gradients, the rest activations."""
+    gradients, the rest activations. A transformers model's rows are each traced as one sequence,
+    as training runs them (_one_sequence_per_row): a plan of packed rows (positions restarting,
+    no mask) would miss their mask."""
     # An op without a fake kernel fails here rather than run its real one on zeros, on the GPU.
     fake = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
     # A kernel that fails on fake tensors reaches the user as one line (below), not also as the
@@ -172,7 +214,7 @@ def plan_memory(
             syncs = [True]
             if size < per_rank and unsharded_accumulation:
                 syncs = [False, True]
-            with fake, _Trace(parts_from or {}) as trace:
+            with fake, _Trace(parts_from or {}) as trace, _one_sequence_per_row():
                 for sync in syncs:
                     policy.set_requires_gradient_sync(sync)
                     try:
@@ -198,6 +240,31 @@ def plan_memory(
         # mode (the trace's): the run's own would never compile. Forget what it met.
         if len(convert_frame.input_codes.seen) != met:
             torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def _one_sequence_per_row():
+    """Inside, transformers takes each row for one sequence, as it finds rows in training to be: a
+    row given no positions (the model numbers it 0, 1, ...) and no mask. It tells by reading the
+    positions, and a fake tensor has none to read: it would take the rows for packed sequences and
+    build their mask, and SDPA would take its masked kernel, with GQA's key and value heads
+    repeated, where training takes the causal one with no mask. Found in sys.modules, not
+    imported: a transformers model has imported it, and this file needs no transformers."""
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None:
+        yield
+        return
+    real = masking.find_packed_sequence_indices
+    masking.find_packed_sequence_indices = _no_packed_sequences
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = real
+
+
+def _no_packed_sequences(position_ids: torch.Tensor) -> None:
+    """transformers' find_packed_sequence_indices on rows of one sequence each: None."""
+    return None
 
 
 def _unpin(model: nn.Module) -> None:

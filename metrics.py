@@ -1,17 +1,57 @@
 """What a run reports: pair and ranking statistics, memory, MFU, the console (rank 0 only),
 metrics.jsonl and W&B.
 
-Copyable on its own: imports only the standard library and torch.
+Copyable on its own: imports only the standard library and torch. This runs as written:
 
-    sums = StepSums(device)
-    for batch in micro_batches:  # no host sync in the loop
-        sums.add(row_sums(out, batch), batch_counts(coefficients, 3, True, batch))  # out: loss's
+    import tempfile
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    from metrics import RunLog, StepStats, StepSums, batch_counts, peak_memory_gb, row_sums
+
+    cpu = torch.device("cpu")
+    # A micro-batch of 2 pairs, a row each: the fields of its batches.RowBatch that these read
+    # (R = 4 responses, the chosen ones first), and its loss.Losses.
+    batch = SimpleNamespace(
+        input_ids=torch.zeros(4, 6, dtype=torch.long),
+        attention_mask=torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [1] * 5 + [0], [1] * 3 + [0] * 3]),
+        score_index=torch.arange(8),
+        scores=torch.tensor([[1.0, 0.0], [1.0, 0.0]]),
+        response_rows=torch.tensor([0, 1, 0, 1]),
+        chosen_index=torch.tensor([0, 1]),
+        mismatched=0,
+        parts=None,
+    )
+    out = SimpleNamespace(
+        unit="pair",
+        losses=torch.tensor([0.6, 0.8]),
+        chosen_rewards=torch.tensor([0.3, -0.1]),
+        rejected_rewards=torch.tensor([0.1, 0.2]),
+        chosen_logps=torch.tensor([-12.0, -9.5]),
+        rejected_logps=torch.tensor([-14.0, -9.0]),
+        response_rewards=None,
+        logratios=None,
+        kl=None,
+    )
+    coefficients = (2e6, 2048.0, 98304.0)  # flop_coefficients(model) of a Hugging Face model
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    sums = StepSums(cpu)
+    for _ in range(2):  # the step's micro-batches: no host sync in the loop
+        sums.add(row_sums(out, batch), batch_counts(coefficients, 3, True, batch))
     sums.all_reduce()  # once per step
-    stats = StepStats(**sums.totals(), grad_norm=1.2, skipped=False, ...)
-    log = RunLog("runs/x", resume_step=0, samples=True)
-    log.wandb = open_wandb(WandbConfig("p"), config, out_dir, resume=False)  # to W&B too
-    log.write(stats.row(step, lr, seconds, group_peak_flops(device, "bf16"), elapsed))
-    log.close()  # and metrics.png
+    memory = peak_memory_gb(cpu)
+    stats = StepStats(
+        **sums.totals(), grad_norm=1.2, skipped=False, peak_memory_gb=memory, stop_requested=False
+    )
+    log = RunLog(tempfile.mkdtemp(), resume_step=0, samples=False)  # log.wandb = open_wandb(...)
+    # The step's row; MFU with group_peak_flops(device, "bf16") on GPUs.
+    row = stats.row(step=1, lr=1e-6, seconds=0.5, peak_flops=None, elapsed=0.5)
+    log.write(row)  # metrics.jsonl, and W&B
+    log.close()  # and metrics.png, where matplotlib is installed
+    print({k: round(row[k], 3) for k in ("loss", "rewards/accuracies", "rewards/margins")})
+    print(row["tokens_per_s"], row["padding_efficiency"], row["flops"])
+    dist.destroy_process_group()
 """
 
 import importlib.util
@@ -47,47 +87,53 @@ METRICS = (*PAIR_METRICS, *RANK_METRICS, "kl")
 ROW_COLUMNS = 2 * len(METRICS)
 
 
-def row_sums(out: dict, batch) -> torch.Tensor:
+def row_sums(out, batch) -> torch.Tensor:
     """(B, ROW_COLUMNS) per row of a batches.RowBatch: for each of METRICS the sum of its values
-    in the row, then for each how many values that is (absent or NaN values count none), from
-    loss.batch_loss's `out`: "losses" (U,) at rows "units" (a row per pair, per row for a listwise
-    loss or SFT alone, per response for an unpaired loss); "chosen_rewards", "rejected_rewards",
-    "chosen_logps", "rejected_logps" at rows "pair_rows" (an unpaired loss's: (R,) per response,
-    NaN off its label); "accuracies" and "margins" at "pair_rows" too unless out has its own
-    (P,) "pair_rewards" [chosen; rejected]; RANK_METRICS from "logratios" ((R,), or None); "kl"
-    (one per micro-batch, on its first row). Sum them on the device; reduce once a step."""
+    in the row, then for each how many values that is (absent or NaN values count none), from a
+    loss.Losses `out`: its losses at their units' rows (each pair's, each row, each response's);
+    its pairs' rewards, accuracies, margins and log-probs at the pairs' rows (sft alone: a row's
+    best response, its only one); an unpaired loss's rewards and log-probs instead by each
+    response's label; RANK_METRICS from its logratios, where it has them; its kl on the first
+    row. Sum them on the device; reduce once a step."""
     rows = len(batch.scores)
     device = batch.scores.device
-    at = out["pair_rows"]
-    values = {"loss": (out["losses"], out["units"]), "logps/chosen": (out["chosen_logps"], at)}
-    if out.get("rejected_rewards") is not None:
-        cr, rr = out.get("pair_rewards", (out["chosen_rewards"], out["rejected_rewards"]))
-        pair_rows = batch.response_rows[batch.chosen_index]
+    every = torch.arange(rows, device=device)
+    pair_rows = every if out.rejected_rewards is None else batch.response_rows[batch.chosen_index]
+    responses = batch.response_rows[: len(batch.response_rows) - batch.mismatched]
+    units = {"pair": pair_rows, "row": every, "response": responses}[out.unit]
+    values = {"loss": (out.losses, units), "logps/chosen": (out.chosen_logps, pair_rows)}
+    if out.rejected_rewards is not None:
         values.update(
             {
-                "rewards/chosen": (out["chosen_rewards"], at),
-                "rewards/rejected": (out["rejected_rewards"], at),
-                "rewards/accuracies": ((cr > rr).float(), pair_rows),
-                "rewards/margins": (cr - rr, pair_rows),
-                "logps/rejected": (out["rejected_logps"], at),
+                "rewards/chosen": (out.chosen_rewards, pair_rows),
+                "rewards/rejected": (out.rejected_rewards, pair_rows),
+                "rewards/accuracies": (
+                    (out.chosen_rewards > out.rejected_rewards).float(),
+                    pair_rows,
+                ),
+                "rewards/margins": (out.chosen_rewards - out.rejected_rewards, pair_rows),
+                "logps/rejected": (out.rejected_logps, pair_rows),
             }
         )
-    if out.get("logratios") is not None:
-        every = torch.arange(rows, device=device)
-        values.update(
-            (k, (v, every)) for k, v in zip(RANK_METRICS, _ranking(out["logratios"], batch))
-        )
-    if "kl" in out:
-        values["kl"] = (out["kl"][None], torch.zeros(1, dtype=torch.long, device=device))
+    if out.response_rewards is not None:
+        for side, kept in (("chosen", batch.desirable), ("rejected", ~batch.desirable)):
+            values[f"rewards/{side}"] = (
+                torch.where(kept, out.response_rewards, math.nan),
+                responses,
+            )
+            values[f"logps/{side}"] = (torch.where(kept, out.response_logps, math.nan), responses)
+    if out.logratios is not None:
+        values.update((k, (v, every)) for k, v in zip(RANK_METRICS, _ranking(out.logratios, batch)))
+    if out.kl is not None:
+        values["kl"] = (out.kl[None], torch.zeros(1, dtype=torch.long, device=device))
     table = torch.zeros(rows, 2, len(METRICS), device=device)
-    for i, name in enumerate(METRICS):
-        if name in values:
-            value, where = values[name]
-            value = value.detach().float()
-            # A NaN loss stays, for the step's finiteness check; any other NaN is a value absent.
-            counted = ~value.isnan() | (name == "loss")
-            table[:, 0, i].index_add_(0, where, torch.where(counted, value, 0))
-            table[:, 1, i].index_add_(0, where, counted.float())
+    for name, (value, where) in values.items():
+        i = METRICS.index(name)
+        value = value.detach().float()
+        # A NaN loss stays, for the step's finiteness check; any other NaN is a value absent.
+        counted = ~value.isnan() | (name == "loss")
+        table[:, 0, i].index_add_(0, where, torch.where(counted, value, 0))
+        table[:, 1, i].index_add_(0, where, counted.float())
     return table.view(rows, ROW_COLUMNS)
 
 
@@ -96,10 +142,9 @@ def _ranking(logratios: torch.Tensor, batch) -> tuple[torch.Tensor, torch.Tensor
     strictly above every other response's (policy = reference: all 0, a miss, as the pair accuracy
     counts a tie), and Kendall's tau-b between rewards and scores (tau-b: scores are often tied
     grades, where tau-a cannot reach 1; 0 where undefined). 1 and 0 for a row of all-tied scores."""
-    rows, most = batch.scores.shape
-    flat = torch.full((rows * most,), -math.inf, device=logratios.device)
-    r = flat.index_put((batch.response_rows * most + batch.response_columns,), logratios.float())
-    r = r.view(rows, most)  # (B, K)
+    r = torch.full(batch.scores.shape, -math.inf, device=logratios.device).index_put(
+        (batch.response_rows, batch.response_columns), logratios.float()
+    )  # (B, K)
     valid = ~batch.scores.isnan()
     s = torch.where(valid, batch.scores, -math.inf)
     best = valid & (s == s.amax(-1, keepdim=True))
@@ -212,13 +257,14 @@ class StepStats:
 
 
 def flop_coefficients(model) -> tuple[float, float, float]:
-    """(a, b, c) for forward_flops from a Hugging Face causal LM (sharded or not): a = 2 per weight
+    """(a, b, c) for batch_counts from a Hugging Face causal LM (sharded or not): a = 2 per weight
     of every matmul a token runs in the blocks (of a mixture of experts, its top k experts'), b =
     attention's two (T x T) matmuls per layer, c = 2 per output-layer weight."""
     head = model.get_output_embeddings().weight
     # Embeddings are lookups, and the output layer counts apart: on the scored tokens alone.
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    apart = embeddings | {id(head)}
+    apart = {id(head)} | {
+        id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)
+    }
     linear = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in apart)
     c = model.config
     # A mixture of experts stacks them, (experts, out, in): each token runs its top k of them.
@@ -233,16 +279,6 @@ def flop_coefficients(model) -> tuple[float, float, float]:
     )
 
 
-def forward_flops(
-    coefficients: tuple[float, float, float], rows: int, length: int, scored: int
-) -> float:
-    """Model FLOPs of one forward over (rows, length) token slots, the output layer on `scored` of
-    them. Attention counts whole, as in PyTorch's FlopCounterMode (a causal kernel skips about
-    half); recomputation does not count."""
-    a, b, c = coefficients
-    return rows * length * (a + b * length) + c * scored
-
-
 def batch_counts(
     coefficients: tuple[float, float, float], passes: int, reference: bool, batch
 ) -> torch.Tensor:
@@ -252,27 +288,24 @@ def batch_counts(
     the mismatched ones apart, the policy the mismatched ones in one forward."""
     flops = (passes + reference) * _batch_flops(coefficients, batch)
     if batch.parts:
-        scored, mismatched = batch.parts
-        flops = (
-            passes * _batch_flops(coefficients, scored)
-            + _batch_flops(coefficients, mismatched)
-            + reference
-            * (_batch_flops(coefficients, scored) + _batch_flops(coefficients, mismatched))
-        )
-    rows, length = batch.input_ids.shape
+        scored, mismatched = (_batch_flops(coefficients, part) for part in batch.parts)
+        flops = (passes + reference) * scored + (1 + reference) * mismatched
     return torch.stack(
         [
             batch.attention_mask.sum().float(),
-            torch.full((), float(rows * length), device=batch.input_ids.device),
+            torch.full((), float(batch.input_ids.numel()), device=batch.input_ids.device),
             torch.full((), flops, device=batch.input_ids.device),
         ]
     )
 
 
 def _batch_flops(coefficients: tuple[float, float, float], batch) -> float:
-    """forward_flops of a batches.RowBatch's rows and scored tokens."""
+    """Model FLOPs of one forward over a batches.RowBatch's (rows, length) token slots, the output
+    layer on its scored tokens. Attention counts whole, as in PyTorch's FlopCounterMode (a causal
+    kernel skips about half); recomputation does not count."""
+    a, b, c = coefficients
     rows, length = batch.input_ids.shape
-    return forward_flops(coefficients, rows, length, len(batch.score_index))
+    return rows * length * (a + b * length) + c * len(batch.score_index)
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -452,8 +485,9 @@ class RunLog:
         """Show each data split's counts (data.tokenize_rows' summary), with the pairs its rows give
         under --pairs `pairs`; a fresh run also logs them at step 0."""
         for split, summary in summaries.items():
-            d = {k: v for k, v in summary.items() if not isinstance(v, dict)}
-            d["pairs"] = summary["pairs"][pairs]
+            d = {k: v for k, v in summary.items() if not isinstance(v, dict)} | {
+                "pairs": summary["pairs"][pairs]
+            }
             if fresh:
                 self.write({"step": 0, "split": f"data/{split}", **d})
             if d["rows"] or d["dropped"]:
@@ -474,7 +508,19 @@ class RunLog:
             if f:  # line-buffered: each row reaches the disk as it is written
                 f.writelines(json.dumps(r) + "\n" for r in rows)
         if self.wandb:
-            self.wandb.log(row, samples)
+            # As {split}/{metric} at the row's step, the samples as a table.
+            data = {
+                f"{row['split']}/{k}": v
+                for k, v in row.items()
+                if k not in ("step", "split") and isinstance(v, (int, float))
+            }
+            if samples:
+                import wandb
+
+                data["samples"] = wandb.Table(
+                    columns=list(samples[0]), data=[list(s.values()) for s in samples]
+                )
+            self.wandb.log(data, step=row["step"])
 
     def close(self) -> None:
         for f in (self.metrics, self.samples):
@@ -502,38 +548,19 @@ class WandbConfig:
             raise ValueError("--wandb-project needs the wandb package: pip install wandb")
 
 
-class open_wandb:
-    """A W&B run taking rows as {split}/{metric} at the row's step, samples as a table; wandb is
-    imported lazily. Its id is kept in {out_dir}/wandb_run_id, so that a resumed run (resume=True)
-    continues it."""
+def open_wandb(config: WandbConfig, run_config: dict, out_dir: str, resume: bool):
+    """A W&B run, for RunLog.wandb; wandb is imported lazily. Its id is kept in
+    {out_dir}/wandb_run_id, so that a resumed run (resume=True) continues it."""
+    import wandb
 
-    def __init__(self, config: WandbConfig, run_config: dict, out_dir: str, resume: bool):
-        import wandb
-
-        self._wandb = wandb
-        id_file = pathlib.Path(out_dir, "wandb_run_id")
-        if not (resume and id_file.exists()):
-            id_file.write_text(secrets.token_hex(8))
-        self.run = wandb.init(
-            project=config.wandb_project,
-            name=config.wandb_run_name,
-            config=run_config,
-            dir=out_dir,
-            id=id_file.read_text(),
-            resume="allow",
-        )
-
-    def log(self, row: dict, samples: list[dict] | None = None) -> None:
-        data = {
-            f"{row['split']}/{k}": v
-            for k, v in row.items()
-            if k not in ("step", "split") and isinstance(v, (int, float))
-        }
-        if samples:
-            data["samples"] = self._wandb.Table(
-                columns=list(samples[0]), data=[list(s.values()) for s in samples]
-            )
-        self.run.log(data, step=row["step"])
-
-    def finish(self) -> None:
-        self.run.finish()
+    id_file = pathlib.Path(out_dir, "wandb_run_id")
+    if not (resume and id_file.exists()):
+        id_file.write_text(secrets.token_hex(8))
+    return wandb.init(
+        project=config.wandb_project,
+        name=config.wandb_run_name,
+        config=run_config,
+        dir=out_dir,
+        id=id_file.read_text(),
+        resume="allow",
+    )

@@ -3,15 +3,34 @@ written one tensor at a time so that no process holds the whole model.
 
 Copyable on its own: imports only the standard library, torch and transformers.
 
+This runs as written:
+
+    import os
+    import tempfile
+
+    import torch
+    import transformers
+    from models import build_model, load_model_config, model_identity, open_weights, save_pretrained
+
+    tokenizer = transformers.ByT5Tokenizer()  # bytes: needs no files, as the tiny model
     config = load_model_config("tiny", tokenizer)  # small files: on every rank
     model = build_model(config)  # parameters on the meta device, buffers computed on CPU
     weights = open_weights("tiny", config, seed=0)  # {name: CPU tensor}; files memory-mapped
-    # entries: (name, tensor, fetch); rank 0 writes
-    save_pretrained("final", model, entries, torch.bfloat16)
     key = model_identity("tiny", config, seed=0)  # what fixes its weights, for cache keys
+    # The whole model on the CPU; in training each rank loads its shards (fsdp_setup.build_sharded).
+    model.load_state_dict(weights, assign=True)
+    model.tie_weights()
+    ids = tokenizer("Hello", return_tensors="pt").input_ids
+    print(sum(p.numel() for p in model.parameters()), tuple(model(ids).logits.shape))
+    folder = tempfile.mkdtemp()
+    # entries: (name, tensor, fetch) as fsdp_setup.full_tensors gives them; rank 0 writes
+    entries = [(name, p, p.detach) for name, p in model.named_parameters()]
+    save_pretrained(folder, model, entries, torch.bfloat16)  # a folder Hugging Face loads
+    saved = open_weights(folder, config, seed=0)  # read back, one tensor at a time
+    print(sorted(os.listdir(folder)), saved["model.embed_tokens.weight"].dtype)
 """
 
-import contextlib
+import copy
 import glob
 import json
 import os
@@ -19,6 +38,7 @@ import os
 import torch
 import torch.distributed as dist
 import transformers
+from torch.nn.utils.rnn import pad_sequence
 from transformers import conversion_mapping, core_model_loading
 
 # safetensors' dtype names
@@ -74,18 +94,12 @@ def load_model_config(
 def build_model(config) -> torch.nn.Module:
     """The model with float32 parameters on the meta device (no memory, no init) and its buffers
     made for real on the CPU: non-persistent ones such as rotary frequency tables are computed at
-    build time, in no weight file."""
-    with _parameters_on_meta():
-        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    build time, in no weight file.
 
-
-@contextlib.contextmanager
-def _parameters_on_meta():
-    """Inside, every parameter a module registers is moved to the meta device as it is registered,
-    before the layer initializes it, while buffers are made as usual, on the CPU: what accelerate's
+    While it builds, torch.nn.Module.register_parameter, for every module, moves each parameter to
+    the meta device as it is registered, before the layer initializes it: what accelerate's
     init_empty_weights(include_buffers=False) does. (Under torch.device("meta"), computed buffers
-    such as rotary tables would be on meta too, and lost.) It replaces
-    torch.nn.Module.register_parameter, for every module, until the block ends."""
+    such as rotary tables would be on meta too, and lost.)"""
     register = torch.nn.Module.register_parameter
 
     def register_on_meta(module, name, param):
@@ -96,7 +110,7 @@ def _parameters_on_meta():
 
     torch.nn.Module.register_parameter = register_on_meta
     try:
-        yield
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     finally:
         torch.nn.Module.register_parameter = register
 
@@ -141,9 +155,9 @@ def open_weights(name: str, config, seed: int) -> dict[str, torch.Tensor]:
             header = json.loads(f.read(size))
         # The file's own notes, not a tensor.
         header.pop("__metadata__", None)
-        # The whole file as bytes, memory-mapped; the tensors' data starts after the header.
-        file = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
-        data = file[8 + size :]
+        # The whole file as bytes, memory-mapped (privately, the default: never written back); the
+        # tensors' data starts after the header.
+        data = torch.from_file(path, size=os.path.getsize(path), dtype=torch.uint8)[8 + size :]
         for key, meta in header.items():
             begin, end = meta["data_offsets"]
             dtype = _DTYPES[meta["dtype"]]
@@ -236,15 +250,13 @@ def save_pretrained(folder: str, model: torch.nn.Module, entries: list, dtype: t
     # Each file's groups; a new file past 50 GB.
     files = [[]]
     size = 0
-    total = 0
     for group, saved in groups:
-        nbytes = sum(t.numel() * t.dtype.itemsize for t in saved.values())
+        nbytes = sum(t.nbytes for t in saved.values())
         if files[-1] and size + nbytes > _FILE_BYTES:
             files.append([])
             size = 0
         files[-1].append((group, saved))
         size += nbytes
-        total += nbytes
     os.makedirs(folder, exist_ok=True)
     # An earlier export's files go, which may be split otherwise.
     for old in glob.glob(os.path.join(folder, "model*.safetensors*")):
@@ -268,9 +280,9 @@ def save_pretrained(folder: str, model: torch.nn.Module, entries: list, dtype: t
                 header[name] = {
                     "dtype": _NAMES[tensor.dtype],
                     "shape": list(tensor.shape),
-                    "data_offsets": [offset, offset + tensor.numel() * tensor.dtype.itemsize],
+                    "data_offsets": [offset, offset + tensor.nbytes],
                 }
-                offset = header[name]["data_offsets"][1]
+                offset += tensor.nbytes
                 weight_map[name] = file
         text = json.dumps(header).encode()
         # The data starts 8-byte aligned.
@@ -289,6 +301,7 @@ def save_pretrained(folder: str, model: torch.nn.Module, entries: list, dtype: t
         os.replace(path + ".tmp", path)
     if len(files) > 1:
         with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+            total = sum(t.nbytes for _, saved in groups for t in saved.values())
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
 
@@ -297,10 +310,9 @@ def _saved_groups(plain: torch.nn.Module, entries: list, dtype: torch.dtype) -> 
     transformers loads (GPT-NeoX's lm_head as embed_out; a layer's stacked experts as one tensor per
     expert and projection), which older transformers, vLLM and other tools read: [(entries, {saved
     name: meta tensor, floats in `dtype`})], the entries of a group fetched together."""
-    mapping = conversion_mapping.get_model_conversion_mapping(plain, add_legacy=False)
     reverse = [
         t.reverse_transform()
-        for t in mapping[::-1]
+        for t in conversion_mapping.get_model_conversion_mapping(plain, add_legacy=False)[::-1]
         if isinstance(t, core_model_loading.WeightConverter)
     ]
     groups = {}
@@ -336,3 +348,138 @@ def model_identity(name: str, config, seed: int) -> dict:
             if f.endswith((".safetensors", ".bin"))
         ],
     }
+
+
+# -------------------------------------------------------------------------- the shared-prompt probe
+# The probe's verdicts, once per process: by (model type, attention, config as JSON), "" where
+# shared rows scored as separate ones, else why not (shared_prompt_refusal).
+_PROBED: dict[tuple, str] = {}
+# The probe's model: the model's own config with these fields made small where it sets them (not
+# None or 0): 4 heads of the model's own width (so that rotary dims and rope scaling tables stay
+# as they are; as many for keys and values, as latent attention needs), 16 small experts (groups
+# of routed experts keep 2 each), windows (sliding, local, chunked) shorter than its rows, token
+# ids dropped (the real ones lie outside the small vocabulary).
+_PROBE_SIZES = {
+    "vocab_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_kv_heads": 4,
+    "intermediate_size": 32,
+    "ffn_dim": 32,
+    "n_inner": 32,
+    "ffn_hidden_size": 32,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "num_local_experts": 16,
+    "num_experts": 16,
+    "n_routed_experts": 16,
+    "moe_num_experts": 16,
+    "num_experts_per_tok": 2,
+    "sliding_window": 4,
+    "window_size": 4,
+    "attention_chunk_size": 4,
+    "pad_token_id": None,
+    "bos_token_id": None,
+    "eos_token_id": None,
+}
+
+
+def shared_prompt_refusal(config, row_inputs) -> str:
+    """Why a model of this config, in its attention implementation, does not score shared-prompt
+    rows as it scores separate rows, in a line; "" where it does. `row_inputs(config, position_ids,
+    segment_ids)` gives the model's inputs for shared rows (logps.shared_row_inputs: the positions
+    and the mask training passes). Probed once per process for each model type, attention and
+    config (_probe), on a copy of the config cut down, never on the model itself."""
+    # The attention implementations that take a shared prompt's mask: boolean for SDPA, additive
+    # for eager, a block mask for FlexAttention. Whether a model's attention takes that mask and the
+    # positions exactly is probed: its transformers code, not a list of names.
+    if config._attn_implementation not in ("sdpa", "eager", "flex_attention"):
+        return f"{config._attn_implementation} attention takes no dense mask"
+    if any(hasattr(value, "model_type") for value in vars(config).values()):
+        # The probe would build the parts of other configs (a vision tower) at their full size.
+        return f"{config.model_type} holds other models' configs: not probed"
+    key = (config.model_type, config._attn_implementation, config.to_json_string(use_diff=False))
+    if key not in _PROBED:
+        _PROBED[key] = _probe(config, row_inputs)
+    return _PROBED[key]
+
+
+def _probe(config, row_inputs) -> str:
+    """shared_prompt_refusal's verdict: a model of `config` cut down (_PROBE_SIZES; 2 layers, one
+    at least of each kind in layer_types) with random float32 weights on the CPU, from seed 0 (the
+    caller's random state kept; every rank agrees), scores a few pairs in shared and in separate
+    rows, whose responses' log-probs must agree within 1e-5 of the largest; or the error of a model
+    that refuses the mask or the positions (BLOOM's ALiBi, made from a 2D mask alone) or the cut."""
+    threads = torch.get_num_threads()
+    try:
+        # Tiny matrices: one thread is fastest, and spins on no other process's cores (seconds
+        # instead of milliseconds on a busy host).
+        torch.set_num_threads(1)
+        small = copy.deepcopy(config)
+        small.update({name: v for name, v in _PROBE_SIZES.items() if getattr(config, name, None)})
+        # 4 heads of the model's own width: its head_dim, or hidden_size over heads.
+        small.hidden_size = 4 * (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        if getattr(config, "layer_types", None):
+            small.num_hidden_layers = max(2, len(set(config.layer_types)))
+            # Each kind's first layer, then the model's first layers up to two in all.
+            small.layer_types = [*dict.fromkeys(config.layer_types), *config.layer_types][
+                : small.num_hidden_layers
+            ]
+        with torch.random.fork_rng(devices=()), torch.no_grad():
+            torch.manual_seed(0)
+            # FlexAttention compiles on a CPU (tens of seconds; some masks fail to): probed in
+            # eager attention, which every model has, with the same mask as a tensor.
+            model = transformers.AutoModelForCausalLM.from_config(
+                small,
+                attn_implementation=config._attn_implementation.replace("flex_attention", "eager"),
+                dtype=torch.float32,
+            ).eval()
+            # (prompt, chosen, rejected) lengths: rows longer than the windows (4), responses of
+            # unequal lengths both ways, a one-token prompt, padding in both layouts.
+            pairs = [
+                [torch.randint(1, 64, (n,), device="cpu") for n in lengths]
+                for lengths in ((6, 4, 7), (1, 5, 2), (3, 2, 1))
+            ]
+            shared = _probe_logps(model, pairs, row_inputs)
+            # A row per response, in the shared rows' order: each pair's chosen, then rejected.
+            separate = _probe_logps(model, [[p, r] for p, *responses in pairs for r in responses])
+    except Exception as e:  # a model that cannot take the layout (or be cut down): separate rows
+        return f"its probe raised {type(e).__name__}: " + str(e).strip().partition("\n")[0]
+    finally:
+        torch.set_num_threads(threads)
+    gap = (shared - separate).abs().max().item()
+    return (
+        f"its probe's shared rows scored {gap:.2g} off separate rows"
+        if gap > 1e-5 * separate.abs().max().item()
+        else ""
+    )
+
+
+def _probe_logps(model, rows: list, row_inputs=None) -> torch.Tensor:
+    """Each response's summed log-probs, in row order, of rows [prompt | r1 | ...] of (n,) int64
+    tensors on the CPU: with `row_inputs` as shared rows (each response's positions starting where
+    the prompt ends, seeing the prompt and itself), else as plain causal rows. A response's first
+    token is predicted at the prompt's last position, the others at their own predecessors'."""
+    positions = [
+        torch.cat([torch.arange(len(t)) + min(s, 1) * len(row[0]) for s, t in enumerate(row)])
+        for row in rows
+    ]
+    segments = [torch.cat([torch.full_like(t, s) for s, t in enumerate(row)]) for row in rows]
+    extra = (
+        row_inputs(model.config, pad_sequence(positions, True), pad_sequence(segments, True, -1))
+        if row_inputs
+        else {}
+    )
+    ids = pad_sequence([torch.cat(row) for row in rows], True)  # (rows, T)
+    logps = model(input_ids=ids, use_cache=False, **extra).logits.float().log_softmax(-1)
+    sums = []
+    for b, row in enumerate(rows):
+        start = len(row[0])
+        for response in row[1:]:
+            at = [len(row[0]) - 1, *range(start, start + len(response) - 1)]
+            sums.append(logps[b, at, response].sum())
+            start += len(response)
+    return torch.stack(sums)

@@ -13,7 +13,19 @@ are float32; only the all-gathered copy used for forward and backward takes the 
     auto   bf16 on a CUDA device with native bfloat16 (Ampere or newer), otherwise fp32
 
 On a CPU auto is fp32: bf16 crawls without native bf16 instructions (BENCHMARKS.md), and fp32 runs
-alike on all.
+alike on all. This runs as written:
+
+    import torch
+    from precision import PrecisionConfig, count_bad_steps, resolve_precision
+
+    cpu = torch.device("cpu")
+    auto = resolve_precision(PrecisionConfig(), cpu)  # --precision auto: fp32 on a CPU
+    print(auto.name, auto.compute_dtype, auto.mp_policy.reduce_dtype, auto.scaler.is_enabled())
+    fp16 = resolve_precision(PrecisionConfig(precision="fp16"), cpu)  # .warning: print it once
+    # Steps toward --max-skipped-steps after a skipped one: fp16's overflow with a finite loss is
+    # the scaler finding its scale (not counted); a non-finite loss counts.
+    scaler = fp16.scaler
+    print(count_bad_steps(0, True, 0.7, scaler), count_bad_steps(0, True, float("nan"), scaler))
 """
 
 import math
@@ -79,9 +91,9 @@ def resolve_precision(config: PrecisionConfig, device: torch.device) -> Precisio
     if name == "auto":
         name = "bf16" if native_gpu_bf16 else "fp32"
     if name == "bf16" and device.type == "cuda" and not native_gpu_bf16:
-        gpu = torch.cuda.get_device_name(device)
         raise ValueError(
-            f"--precision bf16: {gpu} has no native bfloat16; choose fp16 or fp32 ({choices})"
+            f"--precision bf16: {torch.cuda.get_device_name(device)} has no native bfloat16; "
+            f"choose fp16 or fp32 ({choices})"
         )
     if name != "fp32" and device.type not in ("cuda", "cpu"):
         raise ValueError(
@@ -122,15 +134,14 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
     cpuinfo."""
     try:
         with open(cpuinfo) as f:
-            flags = {
-                word
+            return any(
+                word in ("avx512_bf16", "amx_bf16", "bf16")
                 for line in f
                 if line.startswith(("flags", "Features"))
                 for word in line.split()
-            }
+            )
     except FileNotFoundError:
         return None
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def count_bad_steps(before: int, skipped: bool, loss: float, scaler: torch.amp.GradScaler) -> int:

@@ -1,9 +1,15 @@
 """The learning rate at each optimizer step: a linear warmup, then cosine, linear or constant.
 
-Copyable on its own: imports only the standard library.
+Copyable on its own: imports only the standard library. This runs as written:
 
-    for step in range(total):  # 0-based
-        lr = learning_rate(step, 1e-6, ScheduleConfig(warmup_steps=10), total)
+    from schedule import ScheduleConfig, learning_rate
+
+    total = 10  # optimizer steps in the run
+    config = ScheduleConfig(warmup_steps=2)  # then cosine, to a tenth of lr at the last step
+    lrs = [learning_rate(step, 1e-6, config, total) for step in range(total)]  # step: 0-based
+    print(" ".join(f"{lr:.2e}" for lr in lrs))
+    linear = ScheduleConfig(warmup_ratio=0.1, lr_schedule="linear")  # TRL's: 1 warmup step here
+    print(" ".join(f"{learning_rate(step, 1e-6, linear, total):.2e}" for step in range(total)))
 """
 
 import math

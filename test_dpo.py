@@ -28,7 +28,6 @@ import string
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 import tokenize as pytokenize
 import types
@@ -51,6 +50,7 @@ import checkpoint
 import data
 import fsdp_setup
 import generate
+import logps
 import loss
 import memory
 import metrics
@@ -80,16 +80,8 @@ from data import (
 from demo import demo_files, demo_pairs, demo_unpaired, score_completion
 from fsdp_setup import FSDPConfig, apply_ac, find_block_class, full_tensors
 from lora import LoraConfig, WithoutAdapters, add_adapters, initial_weights
-from loss import (
-    LossConfig,
-    add_scored_head,
-    listwise_loss,
-    pair_logps,
-    pair_loss,
-    preference_loss,
-    response_logps,
-    sequence_logps,
-)
+from logps import _TokenLogps, add_scored_head, response_logps, sequence_logps
+from loss import LossConfig, listwise_loss, pair_losses, preference_loss
 from metrics import PAIR_METRICS, device_peak_flops
 from models import build_model, load_model_config, open_weights
 from precision import PrecisionConfig, resolve_precision
@@ -168,18 +160,30 @@ def collate_pairs(pairs, pad_id, share_prompt=False, **layout):
 
 
 def side_logps(policy, reference, batch, objective, ref_logps=None):
-    """loss.pair_logps' (policy, reference, WPO log-weights) (2P,) [chosen; rejected] log-probs of
-    the batch's pairs."""
-    scored = pair_logps(policy, reference, batch, objective, ref_logps)
-    return scored["logps"], scored["ref_logps"], scored["log_weights"]
+    """(policy, reference, WPO log-weights) (2P,) [chosen; rejected] log-probs of a preference
+    objective's pairs, as the trainer's step makes them (logps.response_logps, then the pairs'
+    sides; LD-DPO's are per pair already); the reference's and the weights None where there are
+    none."""
+    if reference is not None:
+        with torch.no_grad():
+            ref_logps = response_logps(reference, batch, objective.ld_alpha)
+    values = response_logps(policy, batch, objective.ld_alpha, objective.use_weighting)
+    weights = None
+    if objective.use_weighting:
+        values, weights = values
+        weights = batch.pair_sides(weights)
+    if objective.ld_alpha is None:
+        values = batch.pair_sides(values)
+        ref_logps = None if ref_logps is None else batch.pair_sides(ref_logps)
+    return values, ref_logps, weights
 
 
 def forward_pairs(policy, reference, batch, objective, ref_logps=None, tokens_per_pair=None):
-    """The trainer's forward and loss of a micro-batch (loss.pair_logps, then loss.pair_loss);
+    """The trainer's forward and loss of a micro-batch (train_dpo.micro_batch_loss): loss.Losses;
     `ref_logps` (R,) stands for --ref precompute's rows."""
-    logps, ref, wpo = side_logps(policy, reference, batch, objective, ref_logps)
-    lengths = loss.pair_sides(batch.response_lengths, batch)
-    return pair_loss(logps, ref, lengths, objective, tokens_per_pair, wpo)
+    return train_dpo.micro_batch_loss(
+        objective, policy, reference, batch, ref_logps, tokens_per_pair
+    )
 
 
 def tokenize(pairs, tok, max_length=128, max_prompt_length=64, truncation="keep_end"):
@@ -567,11 +571,11 @@ def test_preference_loss_matches_hand_computed_values(loss_type):
 def test_chosen_nll_is_the_token_mean_however_the_batch_is_split():
     from loss import chosen_nll
 
-    logps, tokens = torch.tensor([-6.0, -2.0, -9.0, -3.0]), torch.tensor([3, 1, 6, 2])
-    token_mean = -logps.sum() / tokens.sum()  # 20 / 12
+    values, tokens = torch.tensor([-6.0, -2.0, -9.0, -3.0]), torch.tensor([3, 1, 6, 2])
+    token_mean = -values.sum() / tokens.sum()  # 20 / 12
     per_pair = tokens.sum().item() / 4
     halves = torch.cat(
-        [chosen_nll(logps[:2], per_pair), chosen_nll(logps[2:], per_pair)]
+        [chosen_nll(values[:2], per_pair), chosen_nll(values[2:], per_pair)]
     )  # two micro-batches
     assert halves.mean().item() == pytest.approx(token_mean.item(), rel=F32_REL)
 
@@ -739,7 +743,7 @@ def test_batch_layout_right_pads_rows_and_indexes_exactly_the_response_tokens():
 def test_the_fused_head_on_cuda_takes_float32_logits_from_a_bf16_output_layer():
     """Logits of 16-32 rounded to bf16 move by up to 0.0625: the per-token log-probs must come from
     float32 logits."""
-    from loss import _TokenLogps
+    from logps import _TokenLogps
 
     g = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(512, 256, device="cuda", generator=g).bfloat16()  # (N, H) hidden states
@@ -803,11 +807,10 @@ def test_weight_files_at_unaligned_offsets_read_right(tmp_path):
 def test_padded_batch_log_probs_equal_unpadded_rows_and_the_head_sees_only_response_tokens(
     head, monkeypatch
 ):
-    import loss
 
     config, tok = tiny_config()
     policy = tiny_model(config, 2)
-    monkeypatch.setattr(loss, "FUSED_HEAD_ON_CPU", True)  # the GPU path, here on the CPU
+    monkeypatch.setattr(logps, "FUSED_HEAD_ON_CPU", True)  # the GPU path, here on the CPU
     if (
         head == "with_bias"
     ):  # a head with extras runs itself on the gathered positions, then the log-softmax
@@ -828,7 +831,7 @@ def test_padded_batch_log_probs_equal_unpadded_rows_and_the_head_sees_only_respo
     ]
     pairs = tokenize(texts, tok, 128, 64)
     batch = collate_pairs(pairs, tok.pad_token_id)
-    seen, token_logps, linear = [], loss._TokenLogps.apply, torch.nn.Linear.forward
+    seen, token_logps, linear = [], _TokenLogps.apply, torch.nn.Linear.forward
 
     def record_linear(module, x):  # what reaches the vocabulary projection as a plain matmul
         if module is policy.lm_head:
@@ -840,7 +843,7 @@ def test_padded_batch_log_probs_equal_unpadded_rows_and_the_head_sees_only_respo
         return token_logps(x, index, targets, weight, squares)
 
     monkeypatch.setattr(torch.nn.Linear, "forward", record_linear)
-    monkeypatch.setattr(loss._TokenLogps, "apply", staticmethod(record_logps))
+    monkeypatch.setattr(_TokenLogps, "apply", staticmethod(record_logps))
     out = forward_pairs(policy, None, batch, LossConfig(loss="simpo"))
     scored = sum(len(p[k]) for p in pairs for k in ("chosen", "rejected"))
     # Every scored token once, no prompt or padding position; fused, no (N, V) logits exist at all.
@@ -857,7 +860,7 @@ def test_padded_batch_log_probs_equal_unpadded_rows_and_the_head_sees_only_respo
                 policy(input_ids=ids).logits, labels, average=True
             )  # no padding at all
             torch.testing.assert_close(
-                out[f"{key}_logps"][i], alone[0].detach(), rtol=LOGP_REL, atol=LOGP_REL
+                getattr(out, f"{key}_logps")[i], alone[0].detach(), rtol=LOGP_REL, atol=LOGP_REL
             )
             naive.append(alone[0] * len(p[key]))
     # The gradients of the summed log-probs, for every weight, against the naive float32
@@ -868,9 +871,8 @@ def test_padded_batch_log_probs_equal_unpadded_rows_and_the_head_sees_only_respo
 
 
 def test_chunked_logps_match_naive_across_chunk_boundaries_and_save_no_float_copy(monkeypatch):
-    import loss
 
-    monkeypatch.setattr(loss, "_chunk_rows", lambda vocab, device, matmul=False: 3)
+    monkeypatch.setattr(logps, "_chunk_rows", lambda vocab, device, matmul=False: 3)
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 9, 50, generator=g).to(torch.bfloat16)
     labels = torch.randint(0, 50, (4, 9), generator=g)
@@ -894,10 +896,9 @@ def test_chunked_logps_match_naive_across_chunk_boundaries_and_save_no_float_cop
 def test_fused_head_log_probs_match_float32_oracle_across_chunks_and_keep_no_logits(
     dtype, monkeypatch
 ):
-    import loss
 
     # 10 rows in chunks of 3: 4 chunks, the last partial
-    monkeypatch.setattr(loss, "_chunk_rows", lambda vocab, device, matmul=False: 3)
+    monkeypatch.setattr(logps, "_chunk_rows", lambda vocab, device, matmul=False: 3)
     g = torch.Generator().manual_seed(2)
     hidden, weight = torch.randn(10, 16, generator=g), torch.randn(50, 16, generator=g) * 0.3
     targets = torch.randint(0, 50, (10,), generator=g)
@@ -908,7 +909,7 @@ def test_fused_head_log_probs_match_float32_oracle_across_chunks_and_keep_no_log
     )  # the same values
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        ours = loss._TokenLogps.apply(h, None, targets, w, False)
+        ours = _TokenLogps.apply(h, None, targets, w, False)
     oracle = (h32 @ w32.T).log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
     assert ours.dtype == torch.float32
     _assert_close_at_scale([ours], [oracle], _head_rel(dtype))
@@ -954,7 +955,7 @@ def test_logged_flops_match_pytorch_flop_counter(loss, online, lora_rank):
     )  # --ref precompute
     with FlopCounterMode(display=False) as counter:
         out = forward_pairs(policy, reference, batch, objective, ref_logps, tokens_per_pair=10.0)
-        out["losses"].sum().backward()
+        out.losses.sum().backward()
     counts = metrics.batch_counts(
         metrics.flop_coefficients(policy),
         2 if lora_rank else 3,
@@ -1024,7 +1025,7 @@ class _LiveBytes(TorchDispatchMode):
 
 
 def _small_chunks(vocab, device, matmul=False):
-    """loss._chunk_rows for a float32 chunk of 2**14 elements: of the (N, V) scores, 5 chunks of 8
+    """logps._chunk_rows for a float32 chunk of 2**14 elements: of the (N, V) scores, 5 chunks of 8
     rows, or 5 blocks of 409 vocabulary rows (the last 364)."""
     return max(1, 2**14 // vocab)
 
@@ -1052,13 +1053,13 @@ def test_fused_head_backward_makes_no_vocab_sized_tensor_but_the_weight_gradient
     """Summed chunk by chunk over the rows, the weight's gradient held a float32 (V, H) sum and a
     (V, H) part per chunk, the last two at once; by vocabulary blocks, each block of the gradient is
     one matmul over all rows, made in place."""
-    monkeypatch.setattr(loss, "_chunk_rows", _small_chunks)
+    monkeypatch.setattr(logps, "_chunk_rows", _small_chunks)
     hidden, weight, targets, grad = _head(dtype)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    logps = loss._TokenLogps.apply(h, None, targets, w, False)
+    values = _TokenLogps.apply(h, None, targets, w, False)
     live = _LiveBytes()
     with live:
-        logps.backward(grad)
+        values.backward(grad)
     h32_grad, w32_grad = _float32_grads(hidden, weight, targets, grad)
     assert h.grad.dtype == w.grad.dtype == dtype
     _assert_close_at_scale([h.grad.float()], [h32_grad], _head_rel(dtype))
@@ -1074,18 +1075,18 @@ def test_fused_head_backward_makes_no_vocab_sized_tensor_but_the_weight_gradient
 def test_fused_head_backward_of_a_frozen_weight_or_no_tokens(monkeypatch):
     """A frozen output layer (LoRA's) gets no gradient, and none is made; no scored tokens give zero
     gradients."""
-    monkeypatch.setattr(loss, "_chunk_rows", _small_chunks)
+    monkeypatch.setattr(logps, "_chunk_rows", _small_chunks)
     hidden, weight, targets, grad = _head(torch.float32)
     h = hidden.clone().requires_grad_()
-    logps = loss._TokenLogps.apply(h, None, targets, weight, False)
+    values = _TokenLogps.apply(h, None, targets, weight, False)
     live = _LiveBytes()
     with live:
-        logps.backward(grad)
+        values.backward(grad)
     torch.testing.assert_close(h.grad, _float32_grads(hidden, weight, targets, grad)[0])
     assert weight.grad is None and max(n for n, _ in live.at_peak) < HEAD_V * HEAD_H
     hidden, weight, targets, grad = _head(torch.float32, n=0)
     h, w = hidden.requires_grad_(), weight.requires_grad_()
-    loss._TokenLogps.apply(h, None, targets, w, False).backward(grad)
+    _TokenLogps.apply(h, None, targets, w, False).backward(grad)
     assert h.grad.shape == (0, HEAD_H) and (w.grad is None or not w.grad.any())
 
 
@@ -1094,8 +1095,8 @@ def test_step0_loss_is_ln2_and_rewards_zero():
     reference = copy.deepcopy(policy).eval()
     pairs = tokenize(demo_pairs("train")[:6], tok, 128, 64)
     out = forward_pairs(policy, reference, collate_pairs(pairs, tok.pad_token_id), LossConfig())
-    torch.testing.assert_close(out["losses"], torch.full((6,), math.log(2)))
-    assert out["chosen_rewards"].eq(0).all() and out["rejected_rewards"].eq(0).all()
+    torch.testing.assert_close(out.losses, torch.full((6,), math.log(2)))
+    assert out.chosen_rewards.eq(0).all() and out.rejected_rewards.eq(0).all()
 
 
 # ------------------------------------------------------------------------------------------ data.py
@@ -1241,7 +1242,8 @@ def test_json_lines_and_json_array_load_the_same_pairs(tmp_path):
     a, b = read_rows(str(tmp_path / "a.jsonl")), read_rows(str(tmp_path / "b.json"))
     assert strip(a) == expected == strip(b)
     assert [r["where"] for r in a] == [f"{tmp_path / 'a.jsonl'}:1", f"{tmp_path / 'a.jsonl'}:2"]
-    assert [r["where"] for r in b] == [f"{tmp_path / 'b.json'}:2", f"{tmp_path / 'b.json'}:8"]
+    # A JSON array's rows by index (from 1), as a hub dataset's.
+    assert [r["where"] for r in b] == [f"{tmp_path / 'b.json'} row {i}" for i in (1, 2)]
 
 
 def test_demo_is_deterministic_with_disjoint_held_out_items():
@@ -1575,7 +1577,7 @@ ROW_ERRORS = {
     ),
     "badmessage.json": (
         '[\n{"prompt": [{"role": "user"}], "chosen": [], "rejected": []}]',
-        ":2: field 'prompt' message 0: expected",
+        " row 1: field 'prompt' message 0: expected",
         "",
     ),
     "noprefix.jsonl": (
@@ -2050,13 +2052,14 @@ BAD_INPUTS = {
     "notstr.json": (
         '[\n  {"prompt": "a", "chosen": "b", "rejected": "c"},\n'
         '  {"prompt": "a", "chosen": 7, "rejected": "c"}\n]',
-        ":3: field 'chosen' must be a string",
+        " row 2: field 'chosen' must be a string",
     ),
     "badarray.json": (
         '[{"prompt": "a", "chosen": "b", "rejected": "c"}\n {"prompt": "a"}]',
         ":2: invalid JSON",
     ),
-    "notobject.jsonl": ('["a", "b", "c"]\n', ":1: expected an object"),
+    # An array, whatever the file's name: its rows go by index.
+    "notobject.jsonl": ('["a", "b", "c"]\n', " row 1: expected an object"),
     "nolabel.jsonl": ('{"prompt": "a", "completion": "b"}\n', ":1: missing field 'label'"),
     "textlabel.jsonl": (
         '{"prompt": "a", "completion": "b", "label": "yes"}\n',
@@ -2107,6 +2110,24 @@ def test_bad_input_is_one_clean_line_and_writes_nothing(tmp_path, capsys, name):
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and not out.exists()
     assert err.startswith(f"error: {path}") and message in err and "\n" not in err
+
+
+def test_a_bad_row_is_named_by_its_index_in_a_json_array_and_by_its_line_in_json_lines(
+    tmp_path, capsys
+):
+    rows = [{"prompt": "a", "chosen": "b", "rejected": "c"}] * 2 + [{"prompt": "a", "chosen": "b"}]
+    array, lines = tmp_path / "prefs.json", tmp_path / "prefs.jsonl"
+    # Indented, so that no row's line is its index; a blank line before the bad row.
+    array.write_text(json.dumps(rows, indent=2))
+    lines.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]) + "\n" + json.dumps(rows[2]))
+    for path, where in ((array, f"{array} row 3"), (lines, f"{lines}:4")):
+        with pytest.raises(DataError, match=f"^{re.escape(where)}: missing field 'rejected'$"):
+            read_rows(str(path))
+        out = tmp_path / f"run-{path.suffix[1:]}"
+        with pytest.raises(SystemExit) as exit_info:
+            train_dpo.main(["--data", str(path), "--out-dir", str(out), *ON_CPU])
+        assert exit_info.value.code == 2 and not out.exists()
+        assert capsys.readouterr().err.strip() == f"error: {where}: missing field 'rejected'"
 
 
 # ---------------------------------------------------------------------------------- precision, FSDP
@@ -2525,7 +2546,7 @@ def test_converted_checkpoints_train_from_ln2_and_export_loadably(kind, converte
         )
     last = read_metrics(one, "eval")[-1]
     # The export scored outside the trainer: another summation order of the same log-probs.
-    assert out["losses"].mean().item() == pytest.approx(
+    assert out.losses.mean().item() == pytest.approx(
         last["loss"], **_rounding_bound("loss", last, beta=0.1)
     )
     assert last["loss"] < math.log(2) - 1e-3
@@ -2551,8 +2572,9 @@ def test_bf16_keeps_float32_masters_grads_optimizer_state_and_loss():
         logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         assert logits.dtype == torch.bfloat16
         out = forward_pairs(policy, reference, batch, LossConfig())
-        assert all(v.dtype == torch.float32 for v in out.values())
-        loss = out["losses"].mean() - out["chosen_logps"].sum() * 0  # the loss itself is float32
+        values = (out.losses, out.chosen_rewards, out.rejected_rewards, out.chosen_logps)
+        assert all(v.dtype == torch.float32 for v in values)
+        loss = out.losses.mean() - out.chosen_logps.sum() * 0  # the loss itself is float32
         (loss - sequence_logps(logits, hf_labels(batch, pairs)).mean()).backward()
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
         optimizer.step()
@@ -2588,17 +2610,17 @@ def test_activation_checkpointing_and_resharding_change_memory_not_math():
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 logits = model(input_ids=batch.input_ids, use_cache=False).logits
-            logps = sequence_logps(logits, hf_labels(batch, pairs))
-            logps.sum().backward()
+            values = sequence_logps(logits, hf_labels(batch, pairs))
+            values.sum().backward()
             grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-            results.append((logps.detach(), grads, counts))
+            results.append((values.detach(), grads, counts))
     layers = len(model.model.layers)
     # Checkpointing runs every block's forward again in backward, and keeps far fewer tensors for
     # it.
     assert [r[2]["mlp"] for r in results] == [layers, 2 * layers, layers]
     assert results[1][2]["saved"] < results[0][2]["saved"] / 4
-    for logps, grads, _ in results[1:]:
-        torch.testing.assert_close(logps, results[0][0], rtol=0, atol=0)
+    for values, grads, _ in results[1:]:
+        torch.testing.assert_close(values, results[0][0], rtol=0, atol=0)
         # The same kernels on the same shapes: at most a few float32 roundings (F32_REL) in the
         # order backward adds the recomputed blocks' gradients up.
         _assert_close_at_scale(list(grads.values()), [results[0][1][n] for n in grads], F32_REL)
@@ -2625,14 +2647,14 @@ def test_a_frozen_reference_reshards_even_with_no_reshard_after_forward():
 
 def test_gradient_accumulation_keeps_only_gradient_shards_unless_asked(tmp_path, monkeypatch):
     held = []
-    real = loss.pair_logps
+    real = train_dpo.micro_batch_loss
 
-    def pair_logps(policy, *args, **kwargs):  # at each training micro-batch: is there a p.grad yet?
+    def micro_batch_loss(objective, policy, *args):  # at each micro-batch: is there a p.grad yet?
         if torch.is_grad_enabled():  # a training forward, not evaluation
             held.append({p.grad is not None for p in policy.parameters()})
-        return real(policy, *args, **kwargs)
+        return real(objective, policy, *args)
 
-    monkeypatch.setattr(loss, "pair_logps", pair_logps)
+    monkeypatch.setattr(train_dpo, "micro_batch_loss", micro_batch_loss)
     args = ("--max-steps", "2", "--micro-batch-size", "8")  # 2 micro-batches a step
     sharded = run(tmp_path, "sharded", *args)
     unsharded = run(tmp_path, "unsharded", *args, "--unsharded-grad-accumulation")
@@ -2721,10 +2743,10 @@ def test_tiny_run_learns_the_preference_and_exports_a_loadable_model(tmp_path):
             collate_pairs(pairs, tok.pad_token_id),
             LossConfig(),
         )
-    assert out_pairs["losses"].mean().item() == pytest.approx(
+    assert out_pairs.losses.mean().item() == pytest.approx(
         evals[-1]["loss"], **_rounding_bound("loss", evals[-1], beta=0.1)
     )
-    accuracy = (out_pairs["chosen_rewards"] > out_pairs["rejected_rewards"]).float().mean().item()
+    accuracy = (out_pairs.chosen_rewards > out_pairs.rejected_rewards).float().mean().item()
     assert accuracy == pytest.approx(evals[-1]["rewards/accuracies"])
 
 
@@ -3037,13 +3059,13 @@ def test_a_shared_row_lays_out_prompt_chosen_rejected_with_restarting_positions(
 
 
 def _shared_and_separate(model, pairs, objective, reference=None):
-    """pair_logps and pair_loss of `pairs` in shared rows, then in separate rows."""
+    """The pairs' log-probs and pair_losses of `pairs` in shared rows, then in separate rows."""
     outs = []
     for share in (True, False):
         batch = collate_pairs(pairs, pad_id=0, share_prompt=share)
         logps, ref, weights = side_logps(model, reference, batch, objective)
-        out = pair_loss(logps, ref, batch.response_lengths, objective, log_weights=weights)
-        outs.append((logps, weights, out["losses"]))
+        out = pair_losses(objective, logps, ref, batch.response_lengths, log_weights=weights)
+        outs.append((logps, weights, out.losses))
     return outs
 
 
@@ -3061,13 +3083,13 @@ def test_shared_rows_score_every_listed_model_as_separate_rows(kind):
     attention (eager for Gemma 2, whose soft-capping needs it; SDPA otherwise)."""
     torch.manual_seed(0)
     model = add_scored_head(transformers.AutoModelForCausalLM.from_config(_shared_config(kind)))
-    assert not loss.shared_prompt_refusal(model.config)
+    assert not models.shared_prompt_refusal(model.config, logps.shared_row_inputs)
     objective = LossConfig(loss=("dpo",), use_weighting=True, ld_alpha=0.5, ref="online")
     # The model is its own reference: log-ratios 0, so the losses' gradients are the log-probs'.
-    (logps, weights, losses), (logps2, weights2, losses2) = _shared_and_separate(
+    (values, weights, losses), (logps2, weights2, losses2) = _shared_and_separate(
         model.eval(), _random_pairs(SHARED_LENGTHS), objective, reference=model
     )
-    torch.testing.assert_close(logps, logps2, rtol=LOGP_REL, atol=LOGP_REL)
+    torch.testing.assert_close(values, logps2, rtol=LOGP_REL, atol=LOGP_REL)
     # WPO's log-weights: token means of log-probs minus log-sum-exps of order 5, near 0.
     torch.testing.assert_close(weights, weights2, rtol=LOGP_REL, atol=LOGP_REL)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -3081,17 +3103,17 @@ def test_gemma2s_sliding_window_and_the_response_mask_both_matter_in_that_check(
     torch.manual_seed(0)
     model = add_scored_head(transformers.AutoModelForCausalLM.from_config(_shared_config("gemma2")))
     pairs = _random_pairs(SHARED_LENGTHS)
-    separate = loss.response_logps(model, collate_pairs(pairs, pad_id=0))
+    separate = response_logps(model, collate_pairs(pairs, pad_id=0))
     shared = collate_pairs(pairs, pad_id=0, share_prompt=True)
     # Each change moves the log-probs by far more than rounding: 100 times the check's bound.
     model.config.sliding_window = 10_000
-    assert not torch.allclose(loss.response_logps(model, shared), separate, atol=100 * LOGP_REL)
+    assert not torch.allclose(response_logps(model, shared), separate, atol=100 * LOGP_REL)
     model.config.sliding_window = 8
     torch.testing.assert_close(
-        loss.response_logps(model, shared), separate, rtol=LOGP_REL, atol=LOGP_REL
+        response_logps(model, shared), separate, rtol=LOGP_REL, atol=LOGP_REL
     )
     shared.segment_ids[shared.segment_ids == 2] = 1
-    assert not torch.allclose(loss.response_logps(model, shared), separate, atol=100 * LOGP_REL)
+    assert not torch.allclose(response_logps(model, shared), separate, atol=100 * LOGP_REL)
 
 
 def test_attention_that_takes_no_dense_mask_scores_separate_rows():
@@ -3099,7 +3121,7 @@ def test_attention_that_takes_no_dense_mask_scores_separate_rows():
     rows."""
     config = _shared_config("llama")
     config._attn_implementation = "flash_attention_2"
-    assert loss.shared_prompt_refusal(config)
+    assert models.shared_prompt_refusal(config, logps.shared_row_inputs)
 
 
 def test_three_steps_train_alike_shared_or_separate_on_five_architectures():
@@ -3120,12 +3142,12 @@ def test_three_steps_train_alike_shared_or_separate_on_five_architectures():
                 pairs = _random_pairs(SHARED_LENGTHS, seed=step)
                 batch = collate_pairs(pairs, pad_id=0, share_prompt=share)
                 logps, ref, _ = side_logps(policy, reference, batch, objective)
-                out = pair_loss(logps, ref, batch.response_lengths, objective)
-                out["losses"].mean().backward()
+                out = pair_losses(objective, logps, ref, batch.response_lengths)
+                out.losses.mean().backward()
                 norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
                 optimizer.step()
                 optimizer.zero_grad()
-                history += [out["losses"].mean().item(), norm.item()]
+                history += [out.losses.mean().item(), norm.item()]
             runs.append(history)
         assert runs[0][0] == pytest.approx(math.log(2), abs=F32_REL), kind
         # [loss, gradient norm] per step.
@@ -3133,7 +3155,7 @@ def test_three_steps_train_alike_shared_or_separate_on_five_architectures():
         assert runs[0][1::2] == pytest.approx(runs[1][1::2], rel=GRAD_NORM_REL), kind
 
 
-def _refused(config):
+def _refused(config, row_inputs):
     return "a test's refusal"
 
 
@@ -3152,7 +3174,7 @@ def test_the_trainer_trains_alike_in_shared_and_separate_rows(tmp_path, monkeypa
     # Each computes its own reference table, in its own layout.
     shared = run(tmp_path, "shared", *args, "--cache-dir", str(tmp_path / "cache-1"))
     assert "shared prompt" not in capsys.readouterr().err
-    monkeypatch.setattr(loss, "shared_prompt_refusal", _refused)
+    monkeypatch.setattr(models, "shared_prompt_refusal", _refused)
     separate = run(tmp_path, "separate", *args, "--cache-dir", str(tmp_path / "cache-2"))
     assert (
         "note: llama with sdpa attention does not score a shared prompt exactly (a test's "
@@ -3167,7 +3189,7 @@ def test_the_trainer_trains_alike_in_shared_and_separate_rows(tmp_path, monkeypa
 def test_shared_rows_on_cuda_score_as_separate_rows_in_bf16_in_sdpa_and_flex_attention():
     """On a GPU, bf16: shared rows' log-probs against separate rows' (SDPA, causal, no mask) within
     bf16's rounding, in SDPA with the dense mask (what the trainer builds) and in FlexAttention with
-    a block mask that skips blocks (what loss._mask gives a model built with it)."""
+    a block mask that skips blocks (what logps._mask gives a model built with it)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     pairs = _random_pairs([(300, 60, 40), (200, 50, 80)])
@@ -3180,7 +3202,9 @@ def test_shared_rows_on_cuda_score_as_separate_rows_in_bf16_in_sdpa_and_flex_att
         built[attention] = model.to("cuda", torch.bfloat16).eval()
     assert built["sdpa"].config._attn_implementation == "sdpa"
     shared = collate_pairs(pairs, pad_id=0, share_prompt=True).to("cuda")
-    mask = loss._shared_prompt(built["flex_attention"], shared)["attention_mask"]
+    mask = logps.shared_row_inputs(
+        built["flex_attention"].config, shared.position_ids, shared.segment_ids
+    )["attention_mask"]
     # Blocks masked whole (above the diagonal at least) are skipped: fewer computed than the 2 rows'
     # (blocks x blocks) of the 400-token rows.
     blocks = math.ceil(400 / mask.BLOCK_SIZE[0])
@@ -3189,10 +3213,10 @@ def test_shared_rows_on_cuda_score_as_separate_rows_in_bf16_in_sdpa_and_flex_att
     # Sums of 40 to 80 log-probs of about -6, each from activations rounded to bf16 in each
     # attention's own order: a few BF16_EPS of the sum.
     with torch.no_grad():
-        expected = loss.response_logps(built["sdpa"], collate_pairs(pairs, pad_id=0).to("cuda"))
+        expected = response_logps(built["sdpa"], collate_pairs(pairs, pad_id=0).to("cuda"))
         for model in built.values():
             torch.testing.assert_close(
-                loss.response_logps(model, shared), expected, rtol=3 * BF16_EPS, atol=0
+                response_logps(model, shared), expected, rtol=3 * BF16_EPS, atol=0
             )
 
 
@@ -3200,16 +3224,16 @@ def test_shared_rows_on_cuda_score_as_separate_rows_in_bf16_in_sdpa_and_flex_att
 def _record_randomness(monkeypatch, cuda=False):
     """Draw from torch's and Python's generators (and this GPU's) at every training forward; return
     the draws."""
-    real = loss.pair_loss
+    real = loss.pair_losses
     draws = []
 
-    def pair_loss(*args, **kwargs):
+    def pair_losses(*args, **kwargs):
         if torch.is_grad_enabled():  # a training micro-batch, not evaluation
             cuda_draw = [torch.rand(1, device="cuda").item()] if cuda else []
             draws.append((torch.rand(1).item(), random.random(), *cuda_draw))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(loss, "pair_loss", pair_loss)
+    monkeypatch.setattr(loss, "pair_losses", pair_losses)
     return draws
 
 
@@ -3813,25 +3837,24 @@ FAILED_PLAN = """
 from unittest import mock
 import torch.distributed as dist
 from torch.utils._python_dispatch import _get_current_dispatch_mode
-import loss, models, train_dpo
+import train_dpo
 real_setup = train_dpo.setup
-real_loss = loss.batch_loss
+real_loss = train_dpo.micro_batch_loss
 
-def batch_loss(*args, **kwargs):  # fails in rank 1's trace of its first step alone
+def micro_batch_loss(*args, **kwargs):  # fails in rank 1's trace of its first step alone
     if dist.get_rank() == 1 and _get_current_dispatch_mode() is not None:
         raise AssertionError("NYI: a fake kernel missing on rank 1")
     return real_loss(*args, **kwargs)
 
-def setup(cfg, device, stand_in=None):  # the first step planned after setup, as on a GPU
-    out = real_setup(cfg, device, stand_in)
-    config = models.load_model_config(cfg.model, out[0].tokenizer, cfg.dataset.max_length)
-    out[0].planned_gb = train_dpo.plan_first_step(out[0], config)
+def setup(cfg, device):  # the first step planned after setup, as on a GPU
+    out = real_setup(cfg, device)
+    out[0].planned_gb = train_dpo.plan_first_step(out[0])
     return out
 
 def main(argv):  # patched for this run alone
     with (
         mock.patch.object(train_dpo, "setup", setup),
-        mock.patch.object(loss, "batch_loss", batch_loss),
+        mock.patch.object(train_dpo, "micro_batch_loss", micro_batch_loss),
     ):
         train_dpo.main(argv)
 """
@@ -4322,18 +4345,18 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(request, tmp_pat
 def _poison(monkeypatch, bad_calls):
     """Make the trainer's forward return NaN losses on the given (1-based) training forward
     calls."""
-    real = loss.pair_loss
+    real = loss.pair_losses
     calls = [0]
 
-    def pair_loss(*args, **kwargs):
+    def pair_losses(*args, **kwargs):
         out = real(*args, **kwargs)
         if torch.is_grad_enabled():  # a training micro-batch, not evaluation
             calls[0] += 1
             if calls[0] in bad_calls:
-                out["losses"] = out["losses"] * float("nan")
+                out.losses = out.losses * float("nan")
         return out
 
-    monkeypatch.setattr(loss, "pair_loss", pair_loss)
+    monkeypatch.setattr(loss, "pair_losses", pair_losses)
 
 
 def test_nan_loss_skips_the_step_and_repeated_nans_stop_the_run(tmp_path, monkeypatch, capsys):
@@ -4453,7 +4476,7 @@ def test_ipo_takes_mean_or_summed_log_ratios(ipo_logps):
             # A small difference of four log-probs, each within LOGP_REL of itself; squared, the
             # loss moves by 2 |h| times that.
             bounds.append(2 * abs(h) * LOGP_REL * sum(map(abs, logps)))
-    for got, want, bound in zip(out["losses"].tolist(), expected, bounds, strict=True):
+    for got, want, bound in zip(out.losses.tolist(), expected, bounds, strict=True):
         assert got == pytest.approx(want, abs=bound)
 
 
@@ -4462,11 +4485,11 @@ def test_length_normalised_losses_take_each_responses_own_mean(loss_type):
     """dpo_norm and simpo see each response's log-prob divided by its own token count (and the
     reference's by the same): by hand on summed log-probs of responses of 3, 6, 9 and 2 tokens."""
     pc, pr, rc, rr = [-6.0, -12.0], [-9.0, -4.0], [-5.0, -10.0], [-8.0, -6.0]
-    lengths = [3, 6, 9, 2]  # [chosen; rejected], as pair_logps gives them
+    lengths = [3, 6, 9, 2]  # [chosen; rejected], as the step gives them
     beta, gamma = 0.5, 0.3
     objective = LossConfig(loss=loss_type, beta=beta, simpo_gamma=gamma)
     ref_logps = None if loss_type == "simpo" else torch.tensor(rc + rr)
-    out = pair_loss(torch.tensor(pc + pr), ref_logps, torch.tensor(lengths), objective)
+    out = pair_losses(objective, torch.tensor(pc + pr), ref_logps, torch.tensor(lengths))
     expected = []
     for i in range(2):
         chosen, rejected = pc[i] / lengths[i], pr[i] / lengths[2 + i]
@@ -4475,10 +4498,10 @@ def test_length_normalised_losses_take_each_responses_own_mean(loss_type):
         else:
             margin = (chosen - rc[i] / lengths[i]) - (rejected - rr[i] / lengths[2 + i])
             expected.append(-_logsig(beta * margin))
-    assert out["losses"].tolist() == pytest.approx(expected, rel=F32_REL)
+    assert out.losses.tolist() == pytest.approx(expected, rel=F32_REL)
     # The logged log-probs are the means too.
-    assert out["chosen_logps"].tolist() == pytest.approx([-2.0, -2.0])
-    assert out["rejected_logps"].tolist() == pytest.approx([-1.0, -2.0])
+    assert out.chosen_logps.tolist() == pytest.approx([-2.0, -2.0])
+    assert out.rejected_logps.tolist() == pytest.approx([-1.0, -2.0])
 
 
 def test_dropout_is_off_unless_asked_so_the_first_step_has_zero_rewards(tmp_path):
@@ -4541,9 +4564,7 @@ def test_rpo_as_a_loss_mix_adds_the_weighted_chosen_nll():
             ]  # each pair's summed NLL
             expected = [0.5 * x / per_pair for x in hf]
             # Each a summed NLL, ours against Hugging Face's: LOGP_REL.
-            assert (rpo["losses"] - plain["losses"]).tolist() == pytest.approx(
-                expected, rel=LOGP_REL
-            )
+            assert (rpo.losses - plain.losses).tolist() == pytest.approx(expected, rel=LOGP_REL)
         # SFT alone: the same NLL with weight 1, and only the 4 chosen rows go through the model
         # (its layout: each row's best response alone).
         best = collate_pairs(pairs, tok.pad_token_id, best_only=True)
@@ -4553,7 +4574,7 @@ def test_rpo_as_a_loss_mix_adds_the_weighted_chosen_nll():
         )
         sft = forward_pairs(policy, None, best, LossConfig(loss="sft"), tokens_per_pair=per_pair)
         hook.remove()
-        assert rows == [4] and sft["losses"].tolist() == pytest.approx(
+        assert rows == [4] and sft.losses.tolist() == pytest.approx(
             [x / per_pair for x in hf], rel=LOGP_REL
         )
     with pytest.raises(ValueError, match="--loss-weights: 1 weights for 2 --loss"):
@@ -4593,12 +4614,12 @@ def test_a_loss_mix_under_an_f_divergence_with_wpo_weights_matches_hand_values_a
         f_alpha_divergence_coef=a,
         use_weighting=True,
     )
-    logps = torch.tensor(pc + pr, requires_grad=True)
-    out = pair_loss(
-        logps,
+    values = torch.tensor(pc + pr, requires_grad=True)
+    out = pair_losses(
+        objective,
+        values,
         torch.tensor(rc + rr),
         torch.tensor(lengths),
-        objective,
         per_pair,
         torch.tensor(log_w),
     )
@@ -4609,9 +4630,9 @@ def test_a_loss_mix_under_an_f_divergence_with_wpo_weights_matches_hand_values_a
         ipo = (c / lengths[i] - r / lengths[3 + i] - 1 / (2 * beta)) ** 2
         return (dpo + 0.5 * ipo + 0.25 * -x[0] / per_pair) * math.exp(log_w[i] + log_w[3 + i])
 
-    out["losses"].sum().backward()
+    out.losses.sum().backward()
     for i in range(3):
-        assert out["losses"][i].item() == pytest.approx(by_hand([pc[i], pr[i]], i), rel=F32_REL)
+        assert out.losses[i].item() == pytest.approx(by_hand([pc[i], pr[i]], i), rel=F32_REL)
         # Central differences in float64 stand in for the hand gradient: off by h^2 f''' / 6, about
         # 1e-9, far below float32's rounding of the order-1 terms of autograd's (F32_REL).
         h = 1e-4
@@ -4623,25 +4644,25 @@ def test_a_loss_mix_under_an_f_divergence_with_wpo_weights_matches_hand_values_a
             / (2 * h)
             for k in range(2)
         ]
-        assert [logps.grad[i].item(), logps.grad[3 + i].item()] == pytest.approx(
+        assert [values.grad[i].item(), values.grad[3 + i].item()] == pytest.approx(
             grads, rel=F32_REL, abs=F32_REL
         )
         # Rewards: beta f' of the first preference loss's (summed) log-ratios; log-probs as given.
         # f' of an order-1 ratio may cancel to a small value (a log near 1): F32_REL of beta.
         for key, ratio in (("chosen_rewards", pc[i] - rc[i]), ("rejected_rewards", pr[i] - rr[i])):
-            assert out[key][i].item() == pytest.approx(
+            assert getattr(out, key)[i].item() == pytest.approx(
                 beta * _f_prime_by_hand(ratio, kind, a), rel=F32_REL, abs=beta * F32_REL
             )
-        assert out["chosen_logps"][i].item() == pc[i] and out["rejected_logps"][i].item() == pr[i]
+        assert out.chosen_logps[i].item() == pc[i] and out.rejected_logps[i].item() == pr[i]
 
 
 @pytest.mark.parametrize("head", ["unfused", "fused"])
 def test_wpo_log_weights_and_ld_dpo_sums_match_a_naive_full_softmax_with_gradients(
     head, monkeypatch
 ):
-    monkeypatch.setattr(loss, "FUSED_HEAD_ON_CPU", head == "fused")
+    monkeypatch.setattr(logps, "FUSED_HEAD_ON_CPU", head == "fused")
     monkeypatch.setattr(
-        loss, "_chunk_rows", lambda *args, **kwargs: 7
+        logps, "_chunk_rows", lambda *args, **kwargs: 7
     )  # chunk edges inside responses
     policy, tok = tiny(seed=5)
     pairs = tokenize(demo_pairs("train")[4:8], tok)
@@ -4649,9 +4670,9 @@ def test_wpo_log_weights_and_ld_dpo_sums_match_a_naive_full_softmax_with_gradien
     lengths = batch.response_lengths.tolist()
     assert len(set(lengths)) > 4  # chosen and rejected lengths differ: LD-DPO has tails to weigh
     params = [p for p in policy.parameters() if p.requires_grad]
-    logps, log_w = response_logps(policy, batch, ld_alpha=0.3, weighting=True)
+    values, log_w = response_logps(policy, batch, ld_alpha=0.3, weighting=True)
     assert not log_w.requires_grad
-    grads = torch.autograd.grad(logps.sum(), params)
+    grads = torch.autograd.grad(values.sum(), params)
     # Outside response_logps the output layer gives plain logits, the whole (2B, T, V).
     token = torch.log_softmax(policy(input_ids=batch.input_ids).logits.float(), -1)  # (2B, T, V)
     naive, expected_w = [], []
@@ -4663,7 +4684,7 @@ def test_wpo_log_weights_and_ld_dpo_sums_match_a_naive_full_softmax_with_gradien
         naive.append(picked[:shared].sum() + 0.3 * picked[shared:].sum())
         expected_w.append((picked - torch.logsumexp(2 * token[row, cols], -1)).mean().item())
     naive = torch.stack(naive)
-    torch.testing.assert_close(logps, naive.detach(), rtol=LOGP_REL, atol=LOGP_REL)
+    torch.testing.assert_close(values, naive.detach(), rtol=LOGP_REL, atol=LOGP_REL)
     assert log_w.tolist() == pytest.approx(expected_w, rel=LOGP_REL, abs=LOGP_REL)
     _assert_close_at_scale(grads, torch.autograd.grad(naive.sum(), params), LOGP_REL)
     # The reference gets LD-DPO's sums too; ld_alpha = 1 is the plain sum, bit for bit.
@@ -4678,36 +4699,45 @@ def test_wpo_log_weights_and_ld_dpo_sums_match_a_naive_full_softmax_with_gradien
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--loss", "aot", "--use-weighting"], "--use-weighting: aot and aot_pair sort pairs"),
-        (["--loss", "sft", "--ld-alpha", "0.5"], "they need a preference --loss"),
+        (["--loss", "aot", "--use-weighting"], "(aot and aot_pair sort pairs across the batch"),
+        (["--loss", "sft", "--ld-alpha", "0.5"], "--ld-alpha goes only with --loss aot, aot_pair"),
         (
             ["--loss", "dpo", "--loss", "sft", "--ld-alpha", "0.5"],
-            "--ld-alpha must be in [0, 1] and goes without",
+            "(sft's and orpo's NLL take plain log-probs), got --loss dpo sft",
         ),
         (["--ld-alpha", "1.5"], "--ld-alpha must be in [0, 1]"),
         (
             ["--loss", "nca_pair", "--f-divergence-type", "forward_kl"],
-            "--f-divergence-type forward_kl goes only with",
+            "--f-divergence-type goes only with --loss discopop, dpo,",
         ),
-        (["--sync-ref-model", "--ref", "precompute"], "--sync-ref-model updates a reference model"),
-        (["--sync-ref-model", "--loss", "simpo"], "--sync-ref-model updates a reference model"),
+        (
+            ["--sync-ref-model", "--ref", "precompute"],
+            "needs a reference model (--ref online): got --loss dpo --ref precompute",
+        ),
+        (["--sync-ref-model", "--loss", "simpo"], "--sync-ref-model needs a reference model"),
         (
             ["--sync-ref-model", "--lora-rank", "8"],
             "--sync-ref-model: with --lora-rank the reference is the base",
         ),
-        (["--sync-ref-model", "--ref-model-sync-steps", "0"], "--ref-model-sync-steps >= 1"),
+        (
+            ["--sync-ref-model", "--ref-model-sync-steps", "0"],
+            "--ref-model-sync-steps must be >= 1",
+        ),
         (["--ref-model-mixup-alpha", "2"], "--ref-model-mixup-alpha must be in [0, 1]"),
         (["--async-save", "--cpu-offload"], "--async-save with --cpu-offload would copy the"),
-        (["--loss", "sft", "--use-weighting"], "they need a preference --loss"),
+        (["--loss", "sft", "--use-weighting"], "needs a preference --loss (not sft alone)"),
         (
             ["--loss", "dpo", "--loss", "sft", "--loss-weights", "1"],
             "--loss-weights: 1 weights for 2 --loss",
         ),
         # What the parser refuses: the same one line, before the demo's SFT stage would start.
-        (["--loss", "nonsense"], "error: --loss: 'nonsense' is not one of dpo, sigmoid, ipo,"),
-        (["--lr", "abc"], "error: --lr: cannot read 'abc' as FLOAT"),
-        (["--micro-batch-size", "x"], "error: --micro-batch-size: cannot read 'x' as INT|{auto}"),
-        (["--nonsense"], "error: unrecognized --nonsense (--help lists the flags)"),
+        (
+            ["--loss", "nonsense"],
+            "error: invalid choice 'nonsense' for argument '--loss'. Expected one of ('dpo',",
+        ),
+        (["--lr", "abc"], "error: --lr: no type matching {None}|FLOAT could be instantiated"),
+        (["--micro-batch-size", "x"], "error: --micro-batch-size: no type matching {None}|INT|"),
+        (["--nonsense"], "error: Unrecognized options: --nonsense"),
         (["--max-steps"], "error: Missing value for argument '--max-steps'"),
         (["--lr", "-1"], "error: --lr must be a finite number >= 0, got -1.0"),
         (["--weight-decay", "nan"], "error: --weight-decay must be a finite number >= 0, got nan"),
@@ -4715,11 +4745,8 @@ def test_wpo_log_weights_and_ld_dpo_sums_match_a_naive_full_softmax_with_gradien
         (["--sample-temperature", "nan"], "error: --sample-temperature must be >= 0, got nan"),
         (["--missing-eos-penalty", "inf"], "error: --missing-eos-penalty must be a finite number"),
         (["--lr", "inf"], "error: --lr must be a finite number >= 0, got inf"),
-        (
-            ["--loss-weights", "nan"],
-            "error: --loss-weights, --simpo-gamma, --f-alpha-divergence-coef and --alphapo-alpha",
-        ),
-        (["--desirable-weight", "-1"], "error: --desirable-weight and --undesirable-weight must"),
+        (["--loss-weights", "nan"], "error: --loss-weights must be a finite number, got nan"),
+        (["--desirable-weight", "-1"], "error: --desirable-weight must be a finite number >= 0"),
     ],
 )
 def test_invalid_flags_fail_with_one_line_and_exit_2(argv, message, capsys):
@@ -5000,12 +5027,12 @@ def _short_demo(real):
     that follow it as `real` gives them, with the run's own flags last."""
 
     def short(*args):
-        stages = real(*args)
-        if stages.get("sft"):
-            stages["sft"] += ["--max-steps", "2", "--batch-size", "16", "--eval-data", HELD_OUT]
-        if stages:
-            stages["then"] += ["--max-steps", "2", "--num-samples", "2", "--sample-max-tokens", "4"]
-        return stages
+        plan = real(*args)
+        if plan and plan.sft_flags:
+            plan.sft_flags += ["--max-steps", "2", "--batch-size", "16", "--eval-data", HELD_OUT]
+        if plan:
+            plan.dpo_flags += ["--max-steps", "2", "--num-samples", "2", "--sample-max-tokens", "4"]
+        return plan
 
     return short
 
@@ -5074,10 +5101,10 @@ def test_the_default_run_trains_the_demo_sft_stage_once_resuming_it_then_dpo_fro
                 f"{shares[-1]:.0%} at step 2 (best {max(shares):.0%}, at step {best['step']}); "
                 "'Review the"
             )
-    assert real(False, "tiny", ("demo",), True, cache) == {}
-    assert real(True, "gpt2", ("demo",), True, cache) == {}
-    assert real(True, "tiny", ("pairs.jsonl",), True, cache) == {}
-    assert real(True, "tiny", (), False, cache) == {}
+    assert real(False, "tiny", ("demo",), True, cache) is None
+    assert real(True, "gpt2", ("demo",), True, cache) is None
+    assert real(True, "tiny", ("pairs.jsonl",), True, cache) is None
+    assert real(True, "tiny", (), False, cache) is None
 
 
 # Flags the DPO run refuses, each before the demo's SFT stage would start.
@@ -5228,9 +5255,9 @@ def test_lora_reference_is_the_base_model_exactly_and_only_the_adapters_train(pr
                 step == 0
             ):  # B starts at 0: the policy is its own reference, every pair's loss is ln 2
                 torch.testing.assert_close(
-                    out["losses"], torch.full((4,), math.log(2)), rtol=0, atol=F32_REL
+                    out.losses, torch.full((4,), math.log(2)), rtol=0, atol=F32_REL
                 )
-            out["losses"].mean().backward()
+            out.losses.mean().backward()
             optimizer.step()
             optimizer.zero_grad()
         after = full_state(policy)
@@ -5429,29 +5456,41 @@ def test_lora_flags_fail_with_one_line(tmp_path, capsys, monkeypatch):
 
 # -------------------------------------------------------------------------------------- copyability
 CONCERN_FILES = [
-    # Imported alone in one process, in this order: memory.py before fsdp_setup.py has imported
-    # torch's FSDP for it.
-    "memory.py",
+    # Run alone in one process, in this order: those that need the standard library alone first
+    # (before torch is imported at all), then torch's, then transformers'; memory.py before
+    # fsdp_setup.py has imported torch's FSDP for it.
     "schedule.py",
+    "demo.py",
+    "memory.py",
     "loss.py",
+    "logps.py",
     "precision.py",
     "fsdp_setup.py",
-    "data.py",
     "checkpoint.py",
     "metrics.py",
-    "demo.py",
     "lora.py",
     "batches.py",
+    "data.py",
     "generate.py",
     "models.py",
 ]
+# What a file may import besides its stated packages: none but extras imported where used, which
+# its example does not reach. Stated: "the standard library", "torch", "transformers".
+_EXTRAS = {"tyro", "docstring_parser", "safetensors", "datasets", "matplotlib", "wandb", "peft"}
 
 
-# data.py: transformers; optional extras inside functions
+def _stated_packages(module_doc: str) -> set:
+    """The packages a concern file's docstring says it imports (its "Copyable on its own" line)."""
+    said = " ".join(module_doc.split("Copyable on its own")[1].split(".")[0].split())
+    return {name for name in ("torch", "transformers") if name in said}
+
+
 def test_concern_files_import_only_stdlib_and_torch():
     siblings = {f[:-3] for f in CONCERN_FILES} | {"train_dpo"}
     for name in CONCERN_FILES:
-        tree = ast.parse(open(os.path.join(HERE, name)).read())
+        source = open(os.path.join(HERE, name)).read()
+        tree = ast.parse(source)
+        stated = _stated_packages(ast.get_docstring(tree))
         lazy = {n for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) for n in ast.walk(f)}
         for node in ast.walk(tree):
             mods = []
@@ -5463,51 +5502,67 @@ def test_concern_files_import_only_stdlib_and_torch():
                 top = mod.split(".")[0]
                 assert top not in siblings, f"{name} imports its sibling {mod}"
                 allowed = (
-                    top == "torch"
+                    top in stated
                     or top in sys.stdlib_module_names
-                    or (name in ("data.py", "models.py", "generate.py") and top == "transformers")
                     or (node in lazy and top in ("datasets", "matplotlib", "wandb", "peft"))
                     # generate.py's command line parses its flags as train_dpo.py's are parsed.
                     or (name == "generate.py" and node in lazy and top == "tyro")
-                    # loss.py's probe builds a cut-down Hugging Face model; the rest of it needs
-                    # torch alone.
-                    or (name == "loss.py" and node in lazy and top == "transformers")
                 )
                 assert allowed, f"{name} imports {mod}"
 
 
-def start_imports(request, folder):
-    """Background's "imports": each concern file copied into a folder of its own and imported
-    there, with no sibling reachable, in a process of its own."""
-    for f in CONCERN_FILES:
-        (folder / f[:-3]).mkdir()
-        (folder / f[:-3] / f).write_text(open(os.path.join(HERE, f)).read())
-    script = (
-        f"import importlib, sys; names = {[f[:-3] for f in CONCERN_FILES]!r}\n"
-        "for n in names:\n"
-        "    sys.path.insert(0, n); importlib.import_module(n); sys.path.pop(0)\n"
-        "    [sys.modules.pop(m, None) for m in names]\n"
-        # Then memory.py's example, as written in its docstring, beside memory.py alone.
-        f"sys.path.insert(0, 'memory'); exec({_docstring_example(memory)!r})\n"
-    )
-    return _import_each, folder, script
+# Run in a process of its own: each concern file alone in a folder of its own (no sibling
+# reachable), imported, then its docstring's example run as written; for a file that needs the
+# standard library or torch alone, no other package can be imported meanwhile.
+_EXAMPLES = r"""
+import importlib, importlib.abc, sys, textwrap
 
+class Refuse(importlib.abc.MetaPathFinder):
+    blocked = set()
 
-def _docstring_example(module) -> str:
-    """The indented block of a module's docstring after "This runs as written", dedented."""
+    def find_spec(self, fullname, path, target=None):
+        if fullname.split(".")[0] in self.blocked:
+            raise ImportError(f"{fullname}: not among the packages its docstring states")
+
+refuse = Refuse()
+sys.meta_path.insert(0, refuse)
+for name, blocked in FILES:
+    refuse.blocked = set(blocked)
+    sys.path.insert(0, name)
+    module = importlib.import_module(name)
     text = module.__doc__.split("This runs as written")[1].split(":\n\n", 1)[1]
     block = []
     for line in text.splitlines():
         if line and not line.startswith("    "):
             break
         block.append(line)
-    return textwrap.dedent("\n".join(block))
+    print(f"== {name}", flush=True)
+    exec(textwrap.dedent("\n".join(block)), {"__name__": "__example__"})
+    sys.path.pop(0)
+    for other, _ in FILES:
+        sys.modules.pop(other, None)
+"""
+
+
+def start_imports(request, folder):
+    """Background's "imports": _EXAMPLES over every concern file."""
+    files = []
+    for f in CONCERN_FILES:
+        (folder / f[:-3]).mkdir()
+        source = open(os.path.join(HERE, f)).read()
+        (folder / f[:-3] / f).write_text(source)
+        stated = _stated_packages(ast.get_docstring(ast.parse(source)))
+        blocked = _EXTRAS | {"torch", "transformers"} - stated
+        # transformers imports (or probes for) some of the extras itself: a file that states it is
+        # checked by its import statements alone (test_concern_files_import_only_stdlib_and_torch).
+        files.append((f[:-3], sorted(blocked) if "transformers" not in stated else []))
+    return _import_each, folder, f"FILES = {files!r}\n" + _EXAMPLES
 
 
 def _import_each(folder, script):
     cmd = [sys.executable, "-c", script]
     return subprocess.run(
-        cmd, cwd=folder, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=120
+        cmd, cwd=folder, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=180
     )
 
 
@@ -5516,11 +5571,14 @@ def imports(background):
     return background.result("imports")
 
 
-def test_each_concern_file_imports_alone_and_memorys_example_runs_as_written(imports):
-    assert imports.returncode == 0, imports.stderr
-    # The example's table, then the largest micro-batch of the three that fits the card.
-    assert "memory plan:" in imports.stdout and "peak at micro-batch 4" in imports.stdout
-    assert imports.stdout.splitlines()[-1] == "4", imports.stdout
+def test_each_concern_file_copied_alone_runs_its_docstring_example(imports):
+    assert imports.returncode == 0, imports.stdout[-2000:] + imports.stderr[-3000:]
+    ran = [line[3:] for line in imports.stdout.splitlines() if line.startswith("== ")]
+    assert ran == [f[:-3] for f in CONCERN_FILES]
+    # memory.py's: the example's table, then the largest micro-batch of the three that fits.
+    shown = imports.stdout.split("== memory\n")[1].split("== ")[0]
+    assert "memory plan:" in shown and "peak at micro-batch 4" in shown
+    assert shown.splitlines()[-1] == "4", shown
 
 
 def _end_of_line_comments_and_code_lines(source: str) -> tuple[int, int]:
@@ -5622,7 +5680,8 @@ def test_a_k_row_lays_out_each_response_once_after_its_prompt():
         assert torch.equal(getattr(shared, name), getattr(separate, name)), name
     # SFT: each row's best response alone.
     best = collate_rows(rows, pad_id=0, best_only=True)
-    assert best.score_targets.tolist() == [8, 9, 2, 3] and len(best.chosen_index) == 0
+    assert best.score_targets.tolist() == [8, 9, 2, 3]
+    assert best.chosen_index.tolist() == best.rejected_index.tolist() == [0, 1]
 
 
 def _random_rows(ks, seed=0):
@@ -5675,22 +5734,25 @@ def test_k_rows_score_as_their_pairs_written_out_on_five_architectures(kind):
     params = [p for p in model.parameters() if p.requires_grad]
     results = []
     for batch in (
-        collate_rows(rows, pad_id=0, share_prompt=not loss.shared_prompt_refusal(model.config)),
+        collate_rows(
+            rows,
+            pad_id=0,
+            share_prompt=not models.shared_prompt_refusal(model.config, logps.shared_row_inputs),
+        ),
         collate_rows(rows, pad_id=0),
         collate_rows(_as_pair_rows(rows), pad_id=0),
     ):
-        scored = pair_logps(model, reference, batch, objective)
-        lengths = loss.pair_sides(batch.response_lengths, batch)
-        out = pair_loss(
-            scored["logps"], scored["ref_logps"], lengths, objective, None, scored["log_weights"]
+        values, ref, weights = side_logps(model, reference, batch, objective)
+        out = pair_losses(
+            objective, values, ref, batch.pair_sides(batch.response_lengths), None, weights
         )
-        grads = torch.autograd.grad(out["losses"].mean(), params, allow_unused=True)
-        results.append((out["losses"].detach(), scored["log_weights"], grads))
+        grads = torch.autograd.grad(out.losses.mean(), params, allow_unused=True)
+        results.append((out.losses.detach(), weights, grads))
     assert len(results[0][0]) == sum(len(row_pairs(r["scores"])) for r in rows)
     # A loss moves by beta times its margin's error: four log-probs, each within LOGP_REL of itself.
     # WPO's log-weights, token means of log-probs minus log-sum-exps of order 5, near 0: LOGP_REL.
-    logps = torch.cat([scored["logps"], scored["ref_logps"]]).abs().max().item()
-    loss_atol = 4 * objective.beta * LOGP_REL * logps
+    largest = torch.cat([values, ref]).abs().max().item()
+    loss_atol = 4 * objective.beta * LOGP_REL * largest
     for losses, weights, grads in results[:2]:
         torch.testing.assert_close(losses, results[2][0], rtol=0, atol=loss_atol)
         torch.testing.assert_close(weights, results[2][1], rtol=LOGP_REL, atol=LOGP_REL)
@@ -5837,14 +5899,19 @@ def _listwise_at_zero(name, scores):
 
 @pytest.mark.parametrize("name", ["plackett_luce", "infonca", "nca", "lipo"])
 def test_listwise_losses_of_k_rows_at_equal_rewards_by_hand(name):
-    """row_loss over a RowBatch of K_ROWS (K from 2 to 5, ties), every log-ratio 0."""
+    """listwise_loss over a RowBatch of K_ROWS (K from 2 to 5, ties), every log-ratio 0."""
     rows = [
         {"prompt": [1], "responses": [[2]] * len(r["scores"]), "scores": r["scores"]}
         for r in K_ROWS
     ]
     rows = [{**r, "scores": [float(s) for s in r["scores"]]} for r in rows]
     batch = collate_rows(rows, pad_id=0)
-    losses = loss.row_loss(torch.zeros(len(batch.response_rows)), batch, LossConfig(loss=(name,)))
+    losses = listwise_loss(
+        batch.by_row(torch.zeros(len(batch.response_rows))),
+        batch.scores,
+        ~batch.scores.isnan(),
+        name,
+    )
     expected = [_listwise_at_zero(name, r["scores"]) for r in rows]
     assert losses.tolist() == pytest.approx(expected, rel=F32_REL)
 
@@ -6603,7 +6670,7 @@ def _logps_both_layouts(model, pairs):
     them out (batches.collate_pairs)."""
     with torch.no_grad():
         return [
-            loss.response_logps(model, collate_pairs(pairs, pad_id=0, share_prompt=share))
+            response_logps(model, collate_pairs(pairs, pad_id=0, share_prompt=share))
             for share in (True, False)
         ]
 
@@ -6611,7 +6678,7 @@ def _logps_both_layouts(model, pairs):
 @pytest.fixture
 def fresh_probes(monkeypatch):
     """An empty verdict cache: each probe below runs."""
-    monkeypatch.setattr(loss, "_PROBED", {})
+    monkeypatch.setattr(models, "_PROBED", {})
 
 
 @pytest.mark.parametrize("kind", NEW)
@@ -6626,12 +6693,18 @@ def test_listed_and_new_models_share_and_a_shared_row_matches_separate_rows(kind
     config = _real_config(kind)
     # CPU time, which other processes on a shared machine do not stretch as they do wall time.
     start = time.process_time()
-    assert loss.shared_prompt_refusal(config) == ""
+    assert models.shared_prompt_refusal(config, logps.shared_row_inputs) == ""
     seconds = time.process_time() - start
     assert seconds < 10, f"{kind}: the probe took {seconds:.1f} s of CPU time"
-    assert not loss.shared_prompt_refusal(config) and len(loss._PROBED) == 1
+    assert (
+        not models.shared_prompt_refusal(config, logps.shared_row_inputs)
+        and len(models._PROBED) == 1
+    )
     # The built model's own config (its attention set by from_config) shares too.
-    assert not loss.shared_prompt_refusal(model.config) and len(loss._PROBED) == 2
+    assert (
+        not models.shared_prompt_refusal(model.config, logps.shared_row_inputs)
+        and len(models._PROBED) == 2
+    )
 
 
 def test_the_window_and_the_response_mask_each_matter_in_that_check():
@@ -6639,25 +6712,25 @@ def test_the_window_and_the_response_mask_each_matter_in_that_check():
     rejected tokens seeing the chosen ones, score differently from separate rows."""
     model = _tiny_model("starcoder2")
     pairs = _random_pairs(SHARED_LENGTHS)
-    separate = loss.response_logps(model, collate_pairs(pairs, pad_id=0))
+    separate = response_logps(model, collate_pairs(pairs, pad_id=0))
     shared = collate_pairs(pairs, pad_id=0, share_prompt=True)
     # Each change moves the log-probs by far more than rounding: 100 times the check's bound.
     model.config.sliding_window = None
-    assert not torch.allclose(loss.response_logps(model, shared), separate, atol=100 * LOGP_REL)
+    assert not torch.allclose(response_logps(model, shared), separate, atol=100 * LOGP_REL)
     model.config.sliding_window = 8
     torch.testing.assert_close(
-        loss.response_logps(model, shared), separate, rtol=LOGP_REL, atol=LOGP_REL
+        response_logps(model, shared), separate, rtol=LOGP_REL, atol=LOGP_REL
     )
     shared.segment_ids[shared.segment_ids == 2] = 1
-    assert not torch.allclose(loss.response_logps(model, shared), separate, atol=100 * LOGP_REL)
+    assert not torch.allclose(response_logps(model, shared), separate, atol=100 * LOGP_REL)
 
 
 def test_bloom_does_not_share_and_the_probe_says_why(fresh_probes):
     """BLOOM's ALiBi is built from a 2D mask and refuses the 4D one: the probe answers False and
     keeps the error as its reason, the error shared rows really raise."""
     for config in (_real_config("bloom"), _tiny_config("bloom")):
-        assert loss.shared_prompt_refusal(config)
-        why = loss.shared_prompt_refusal(config)
+        assert models.shared_prompt_refusal(config, logps.shared_row_inputs)
+        why = models.shared_prompt_refusal(config, logps.shared_row_inputs)
         assert why.startswith("its probe raised ValueError: "), why
     model = _tiny_model("bloom")
     with pytest.raises(ValueError, match=re.escape(why.split("ValueError: ")[1])):
@@ -6700,7 +6773,7 @@ def test_opt_takes_the_same_steps_shared_or_separate_but_for_adams_first_step():
         policy.zero_grad()
         batch = collate_pairs(pairs[n], pad_id=0, share_prompt=share)
         logps, ref, _ = side_logps(policy, reference, batch, objective)
-        loss_ = pair_loss(logps, ref, batch.response_lengths, objective)["losses"].mean()
+        loss_ = pair_losses(objective, logps, ref, batch.response_lengths).losses.mean()
         loss_.backward()
         grads = [p.grad.clone() for p in policy.parameters()]
         norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])).item()
@@ -6756,38 +6829,37 @@ def test_a_deliberately_broken_shared_scoring_makes_the_probe_refuse(monkeypatch
     """Negative controls: with the rejected tokens seeing the chosen ones, without Mistral's
     sliding window, or without positions restarting after the prompt, the probe says False and
     how far apart the rows scored; the correct mask shares again."""
-    mask = loss._mask
-    shared_prompt = loss._shared_prompt
+    mask = logps._mask
+    row_inputs = logps.shared_row_inputs
 
-    def peeking(config, batch, window):
-        segments = batch.segment_ids.masked_fill(batch.segment_ids == 2, 1)
-        return mask(config, type(batch)(**{**vars(batch), "segment_ids": segments}), window)
+    def peeking(config, segments, positions, window):
+        return mask(config, segments.masked_fill(segments == 2, 1), positions, window)
 
-    def windowless(config, batch, window):
-        return mask(config, batch, None)
+    def windowless(config, segments, positions, window):
+        return mask(config, segments, positions, None)
 
-    def running_positions(model, batch):
-        given = shared_prompt(model, batch)
+    def running_positions(config, position_ids, segment_ids):
+        given = row_inputs(config, position_ids, segment_ids)
         return {
             **given,
-            "position_ids": torch.arange(
-                batch.input_ids.shape[1], device=batch.input_ids.device
-            ).expand_as(batch.input_ids),
+            "position_ids": torch.arange(position_ids.shape[1]).expand_as(position_ids),
         }
 
     llama, mistral = _real_config("llama"), _real_config("mistral")
     for name, broken, config in (
         ("_mask", peeking, llama),
         ("_mask", windowless, mistral),
-        ("_shared_prompt", running_positions, llama),
+        ("shared_row_inputs", running_positions, llama),
     ):
-        monkeypatch.setattr(loss, name, broken)
-        monkeypatch.setattr(loss, "_PROBED", {})
-        assert loss.shared_prompt_refusal(config), broken.__name__
-        assert "shared rows scored" in loss.shared_prompt_refusal(config)
+        monkeypatch.setattr(logps, name, broken)
+        monkeypatch.setattr(models, "_PROBED", {})
+        assert models.shared_prompt_refusal(config, logps.shared_row_inputs), broken.__name__
+        assert "shared rows scored" in models.shared_prompt_refusal(config, logps.shared_row_inputs)
         monkeypatch.undo()
-    monkeypatch.setattr(loss, "_PROBED", {})
-    assert not loss.shared_prompt_refusal(llama) and not loss.shared_prompt_refusal(mistral)
+    monkeypatch.setattr(models, "_PROBED", {})
+    assert not models.shared_prompt_refusal(
+        llama, logps.shared_row_inputs
+    ) and not models.shared_prompt_refusal(mistral, logps.shared_row_inputs)
 
 
 def test_the_probe_keeps_the_callers_random_state_and_no_mask_attention_never_shares(
@@ -6798,17 +6870,22 @@ def test_the_probe_keeps_the_callers_random_state_and_no_mask_attention_never_sh
     other models' configs (Gemma 3's vision and text) is not probed: neither shares, each with its
     reason."""
     before, threads = torch.random.get_rng_state(), torch.get_num_threads()
-    assert not loss.shared_prompt_refusal(_real_config("qwen2"))
+    assert not models.shared_prompt_refusal(_real_config("qwen2"), logps.shared_row_inputs)
     assert torch.equal(torch.random.get_rng_state(), before)
     assert torch.get_num_threads() == threads  # the probe's one thread given back
     config = _real_config("llama")
     config._attn_implementation = "flash_attention_2"
-    assert loss.shared_prompt_refusal(config) == "flash_attention_2 attention takes no dense mask"
+    assert (
+        models.shared_prompt_refusal(config, logps.shared_row_inputs)
+        == "flash_attention_2 attention takes no dense mask"
+    )
     config = transformers.AutoConfig.for_model("gemma3")
     config._attn_implementation = "sdpa"
-    assert loss.shared_prompt_refusal(config)
-    assert "holds other models' configs" in loss.shared_prompt_refusal(config)
-    assert len(loss._PROBED) == 1
+    assert models.shared_prompt_refusal(config, logps.shared_row_inputs)
+    assert "holds other models' configs" in models.shared_prompt_refusal(
+        config, logps.shared_row_inputs
+    )
+    assert len(models._PROBED) == 1
 
 
 # ----------------------------------------------------------------------------- on-policy generation
@@ -7298,7 +7375,7 @@ def test_the_plan_of_a_step_matches_the_step_measured_with_torchs_tracker(tmp_pa
     path = _write_jsonl(tmp_path / "rows.jsonl", rows)
     args = ("--data", path, "--max-length", "64", "--batch-size", "4", "--micro-batch-size", "2")
     real_step = train_dpo.train_step
-    real_logps = loss.response_logps
+    real_logps = response_logps
     peaks, trackers, first = [], [], []
 
     def step(run, optimizer, *rest):
@@ -7306,8 +7383,7 @@ def test_the_plan_of_a_step_matches_the_step_measured_with_torchs_tracker(tmp_pa
             peaks.append(0)
             return real_step(run, optimizer, *rest)
         if not peaks:
-            config = models.load_model_config("tiny", run.tokenizer, 64)
-            first.append(train_dpo.plan_first_step(run, config))
+            first.append(train_dpo.plan_first_step(run))
         trackers.append(FSDPMemTracker(run.policy, optimizer))
         trackers[-1].track_external(run.reference)
         with trackers[-1]:
@@ -7317,15 +7393,15 @@ def test_the_plan_of_a_step_matches_the_step_measured_with_torchs_tracker(tmp_pa
         peaks.append((peak + shards) / memory.GB)
         return stats
 
-    def response_logps(*rest):  # the tracker takes one forward per module and step
+    def resetting_logps(*rest):  # the tracker takes one forward per module and step
         if trackers:
             trackers[-1].reset_mod_stats()
         return real_logps(*rest)
 
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(train_dpo, "train_step", step)
-        monkeypatch.setattr(loss, "response_logps", response_logps)
-        with loss.fused_head():
+        monkeypatch.setattr(logps, "response_logps", resetting_logps)
+        with logps.fused_head():
             run(tmp_path, "measured", *args, "--max-steps", "3")
     # Its own --max-length (64) comes after _plan's.
     plan, _ = _plan(tmp_path, capsys, *args, "--plan-gpus", "1")
@@ -7392,10 +7468,9 @@ def _compiled_graphs(tmp_path, name, *args, plan_first=False):
     def compile_eagerly(self, *args, **kwargs):
         return real_compile(self, *args, **{**kwargs, "backend": "eager"})
 
-    def setup(cfg, device, stand_in=None):
-        out = real_setup(cfg, device, stand_in)
-        config = models.load_model_config(cfg.model, out[0].tokenizer, cfg.dataset.max_length)
-        planned.append(train_dpo.plan_first_step(out[0], config))
+    def setup(cfg, device):
+        out = real_setup(cfg, device)
+        planned.append(train_dpo.plan_first_step(out[0]))
         return out
 
     torch._dynamo.reset()
@@ -7544,38 +7619,41 @@ def test_unpaired_orpo_and_cpo_losses_match_the_formulas_by_hand():
     # KTO: 3 scored responses (desirable, not, desirable), 3 mismatched; log-ratios.
     h = [0.7, -0.4, 1.5, 2.0, -1.0, 0.5]
     kl = max(sum(h[3:]) / 3, 0.0)
-    batch = types.SimpleNamespace(desirable=torch.tensor([True, False, True]), mismatched=3)
+    desirable = torch.tensor([True, False, True])
     config = LossConfig(loss="kto", beta=beta, desirable_weight=1.3, undesirable_weight=0.6)
-    out = loss.unpaired_loss(torch.tensor(h), batch, config)
+
+    def unpaired(h, config, mismatched=3):  # the trainer's reference point (one rank), then KTO
+        h = torch.tensor(h)
+        kl = h[3:].mean().clamp(min=0) if mismatched else torch.zeros(())
+        none = torch.zeros(0, dtype=torch.long)
+        return loss.response_losses(config, h[:3], h[:3], desirable, kl, none, none)
+
+    out = unpaired(h, config)
     expected = [
         1.3 * (1 - _sig(beta * (h[0] - kl))),
         0.6 * (1 - _sig(beta * (kl - h[1]))),
         1.3 * (1 - _sig(beta * (h[2] - kl))),
     ]
-    assert out["losses"].tolist() == pytest.approx(expected, rel=F32_REL)
-    assert out["kl"].item() == pytest.approx(kl, rel=F32_REL)
-    assert out["rewards"].tolist() == pytest.approx([beta * x for x in h[:3]], rel=F32_REL)
+    assert out.losses.tolist() == pytest.approx(expected, rel=F32_REL)
+    assert out.kl.item() == pytest.approx(kl, rel=F32_REL)
+    assert out.response_rewards.tolist() == pytest.approx([beta * x for x in h[:3]], rel=F32_REL)
     # A negative estimate counts as 0; APO-zero-unpaired has none.
-    negative = loss.unpaired_loss(torch.tensor([0.7, -0.4, 1.5, -2.0, -1.0, 0.5]), batch, config)
-    assert negative["kl"].item() == 0
-    apo = loss.unpaired_loss(
-        torch.tensor(h[:3]),
-        types.SimpleNamespace(desirable=batch.desirable, mismatched=0),
-        LossConfig(loss="apo_zero_unpaired", beta=beta),
-    )
-    assert apo["losses"].tolist() == pytest.approx(
+    negative = unpaired([0.7, -0.4, 1.5, -2.0, -1.0, 0.5], config)
+    assert negative.kl.item() == 0
+    apo = unpaired(h, LossConfig(loss="apo_zero_unpaired", beta=beta), mismatched=0)
+    assert apo.losses.tolist() == pytest.approx(
         [1 - _sig(beta * h[0]), _sig(beta * h[1]), 1 - _sig(beta * h[2])], rel=F32_REL
     )
     # Pairs: summed log-probs [chosen; rejected], response lengths, each pair's prompt's log-prob.
     chosen, rejected, lengths = [-6.0, -9.0], [-8.0, -5.0], [4, 5, 2, 5]
     prompts, tokens_per_pair = [-3.0, -2.5], 7.0
-    logps = torch.tensor(chosen + rejected)
+    values = torch.tensor(chosen + rejected)
 
     def pair(*names, weights=(), prompt=None, **options):
         config = LossConfig(loss=names, loss_weights=weights, beta=beta, **options)
-        return loss.pair_loss(
-            logps, None, torch.tensor(lengths), config, tokens_per_pair, None, prompt
-        )["losses"].tolist()
+        return loss.pair_losses(
+            config, values, None, torch.tensor(lengths), tokens_per_pair, None, prompt
+        ).losses.tolist()
 
     mc = [c / n for c, n in zip(chosen, lengths[:2])]
     mr = [r / n for r, n in zip(rejected, lengths[2:])]
@@ -7615,17 +7693,22 @@ def test_kto_options_that_cannot_go_together_are_refused():
     assert (cpo.loss, cpo.loss_weights, cpo.cpo_alpha) == (("hinge", "sft"), (1.0, 0.5), 0.0)
     for options, message in [
         ({"loss": ("kto", "sft")}, "goes alone"),
-        ({"loss": "kto", "ref": "none"}, "need a reference"),
-        ({"loss": "dpo", "alphapo_alpha": 0.5}, "--alphapo-alpha goes only"),
+        ({"loss": "kto", "ref": "none"}, "needs a reference"),
+        ({"loss": "dpo", "alphapo_alpha": 0.5}, "--alphapo-alpha needs no reference"),
         ({"loss": "kto", "desirable_weight": -1.0}, "--desirable-weight"),
     ]:
         with pytest.raises(ValueError, match=message):
             LossConfig(**options)
-    advice = loss.kto_weight_advice(30, 10, LossConfig(loss="kto"))
+    advice = loss.kto_weight_advice([True] * 30 + [False] * 10, LossConfig(loss="kto"))
     # TRL's ranges for 30 desirable, 10 undesirable: desirable weight in [10/30, 1.33 x 10/30].
     assert "--desirable-weight in [0.33, 0.44] or --undesirable-weight in [2.26, 3.0]" in advice
-    assert loss.kto_weight_advice(30, 10, LossConfig(loss="kto", undesirable_weight=2.5)) == ""
-    assert loss.kto_weight_advice(10, 10, LossConfig(loss="kto")) == ""
+    assert (
+        loss.kto_weight_advice(
+            [True] * 30 + [False] * 10, LossConfig(loss="kto", undesirable_weight=2.5)
+        )
+        == ""
+    )
+    assert loss.kto_weight_advice([True, False] * 10, LossConfig(loss="kto")) == ""
 
 
 def test_kto_shares_prompts_exactly_keeps_precompute_and_logs_what_trl_logs(
@@ -7704,9 +7787,12 @@ def test_orpo_and_kto_score_shared_rows_as_separate_ones_and_as_pairs_written_ou
         (_as_pair_rows(rows), {}) for _ in range(objective == "orpo")
     ]:
         rb = collate_rows(batch, 0, score_prompts=objective == "orpo", **layout)
-        out = loss.batch_loss(model, reference, rb, config, None, 5.0)
-        grads = torch.autograd.grad(out["losses"].sum(), params, allow_unused=True)
-        results.append((out["losses"].detach(), grads))
+        with world_of_one():  # KTO's reference point is reduced over the ranks
+            # ORPO is reference-free: the trainer builds no reference for it.
+            ref_model = reference if objective == "kto" else None
+            out = train_dpo.micro_batch_loss(config, model, ref_model, rb, None, 5.0)
+        grads = torch.autograd.grad(out.losses.sum(), params, allow_unused=True)
+        results.append((out.losses.detach(), grads))
     for losses, grads in results[1:]:
         torch.testing.assert_close(losses, results[0][0], rtol=LOGP_REL, atol=LOGP_REL)
         _assert_close_at_scale(grads, results[0][1], LOGP_REL)

@@ -8,15 +8,12 @@ evaluation, checkpoints, export).
 """
 
 import json
-import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
-from typing import Annotated, Literal, get_type_hints
-from unittest import mock
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Annotated, Literal
 
-import docstring_parser
 import safetensors.torch
 import torch
 import torch.distributed as dist
@@ -29,6 +26,7 @@ import data
 import demo
 import fsdp_setup
 import generate
+import logps
 import lora
 import loss
 import memory
@@ -295,9 +293,7 @@ def train_step(
     # The objective is the mean loss over the global batch's pairs (over its rows for a listwise
     # loss or SFT alone): counted on the host from the scores, so each rank's sum over its own is
     # scaled alike, and FSDP's average over the ranks gives that mean.
-    n_pairs, tokens = batches.pair_counts(
-        run.train, batch, cfg.batching.pairs, run.layout["best_only"], run.layout["score_prompts"]
-    )
+    n_pairs, tokens = batches.pair_counts(run.train, batch, run.layout)
     units = len(batch) if cfg.objective.listwise else n_pairs
     if cfg.objective.unpaired:
         # An unpaired loss's mean is over the responses.
@@ -305,7 +301,7 @@ def train_step(
     sums = metrics.StepSums(run.device)
 
     micro_batches = batches.micro_batches(
-        run.train, mine, cfg.batching.micro_batch_size, run.pad_id, run.device, **run.layout
+        run.train, mine, cfg.batching.micro_batch_size, run.device, run.layout
     )
     for i, (idx, rows) in enumerate(micro_batches):
         # By default each micro-batch's gradient is reduce-scattered at once, so that no rank holds
@@ -314,8 +310,11 @@ def train_step(
         run.policy.set_requires_gradient_sync(last or not cfg.fsdp.unsharded_grad_accumulation)
         # sft's NLL is a token mean over the step's preferred responses: each pair's share is
         # over their mean length.
-        out = pair_losses(run, "train", idx, rows, tokens / max(n_pairs, 1))
-        scaler.scale(out["losses"].sum() * (dist.get_world_size() / units)).backward()
+        ref = batches.table_rows(run.ref_tables["train"], idx, rows) if run.ref_tables else None
+        out = micro_batch_loss(
+            cfg.objective, run.policy, run.reference, rows, ref, tokens / max(n_pairs, 1)
+        )
+        scaler.scale(out.losses.sum() * (dist.get_world_size() / units)).backward()
         sums.add(
             metrics.row_sums(out, rows),
             metrics.batch_counts(
@@ -358,15 +357,78 @@ def train_step(
     )
 
 
-def pair_losses(
-    run: "Run", split: str, idx: list[int], rows: batches.RowBatch, tokens_per_pair: float
-) -> dict[str, torch.Tensor]:
-    """loss.batch_loss of the micro-batch `rows` (indices `idx` in `split`), the reference's
-    log-probs from its table with --ref precompute."""
-    ref_logps = batches.table_rows(run.ref_tables[split], idx, rows) if run.ref_tables else None
-    return loss.batch_loss(
-        run.policy, run.reference, rows, run.cfg.objective, ref_logps, tokens_per_pair
+def micro_batch_loss(
+    objective: loss.LossConfig,
+    policy_model,
+    reference,
+    rows: batches.RowBatch,
+    ref: torch.Tensor | None,
+    tokens_per_pair: float,
+) -> loss.Losses:
+    """The objective on the micro-batch `rows`: the reference's log-probs (`ref`, from --ref
+    precompute's table, else from the `reference` model, without gradients and first, so that its
+    activations are freed before the policy's exist; both None for a reference-free loss), the
+    policy's, then the loss of the objective's kind: per pair, per row (listwise) or per response
+    (unpaired, whose reference point is reduced over the ranks here)."""
+    if reference is not None:
+        with torch.no_grad():
+            ref = logps.response_logps(reference, rows, objective.ld_alpha)
+    policy = logps.response_logps(policy_model, rows, objective.ld_alpha, objective.use_weighting)
+    log_weights = None
+    if objective.use_weighting:
+        policy, log_weights = policy
+        log_weights = rows.pair_sides(log_weights)
+    if objective.unpaired:
+        logratios = policy - ref
+        real = len(logratios) - rows.mismatched
+        kl = torch.zeros((), device=policy.device)
+        if rows.mismatched:
+            # KTO's reference point: TRL's gather, then mean, so each rank's micro-batch counts
+            # alike; clamped at 0.
+            kl = logratios[real:].detach().float().mean()
+            dist.all_reduce(kl)
+            kl = (kl / dist.get_world_size()).clamp(min=0)
+        return loss.response_losses(
+            objective,
+            logratios[:real],
+            policy[:real],
+            rows.desirable,
+            kl,
+            rows.chosen_index,
+            rows.rejected_index,
+        )
+    # ORPO's scored prompts come after the responses: each pair's, for its NLL.
+    prompts = None
+    if rows.scored_prompts:
+        responses = len(rows.response_rows)
+        prompts = policy[responses:][rows.response_rows[rows.chosen_index]]
+        policy = policy[:responses]
+    # Per response, for the ranking metrics: not with --ld-alpha, whose log-probs are per pair.
+    logratios = None
+    if ref is not None and objective.ld_alpha is None:
+        logratios = policy - ref
+    if objective.listwise:
+        out = loss.row_losses(
+            objective,
+            rows.by_row(logratios),
+            rows.scores,
+            rows.pair_sides(policy),
+            rows.pair_sides(ref),
+        )
+        return replace(out, logratios=logratios)
+    if objective.ld_alpha is None:
+        policy = rows.pair_sides(policy)
+        ref = None if ref is None else rows.pair_sides(ref)
+    out = loss.pair_losses(
+        objective,
+        policy,
+        ref,
+        rows.pair_sides(rows.response_lengths),
+        tokens_per_pair,
+        log_weights,
+        prompts,
     )
+    return replace(out, logratios=logratios)
 
 
 def evaluate_and_sample(run: "Run", log: metrics.RunLog, step: int, t0: float) -> None:
@@ -375,16 +437,14 @@ def evaluate_and_sample(run: "Run", log: metrics.RunLog, step: int, t0: float) -
     if not len(run.eval):
         return
 
-    n_pairs, tokens = batches.pair_counts(
-        run.eval,
-        range(len(run.eval)),
-        run.cfg.batching.pairs,
-        run.layout["best_only"],
-        run.layout["score_prompts"],
-    )
+    n_pairs, tokens = batches.pair_counts(run.eval, range(len(run.eval)), run.layout)
 
     def row_sums(idx, rows):  # (B, metrics.ROW_COLUMNS)
-        return metrics.row_sums(pair_losses(run, "eval", idx, rows, tokens / max(n_pairs, 1)), rows)
+        ref = batches.table_rows(run.ref_tables["eval"], idx, rows) if run.ref_tables else None
+        out = micro_batch_loss(
+            run.cfg.objective, run.policy, run.reference, rows, ref, tokens / max(n_pairs, 1)
+        )
+        return metrics.row_sums(out, rows)
 
     # Every rank evaluates and generates (FSDP needs them all); rank 0 writes.
     with fsdp_setup.inference(run.policy):
@@ -393,9 +453,8 @@ def evaluate_and_sample(run: "Run", log: metrics.RunLog, step: int, t0: float) -
             (metrics.ROW_COLUMNS,),
             row_sums,
             run.cfg.batching.micro_batch_size,
-            run.pad_id,
             run.device,
-            **run.layout,
+            run.layout,
         )
         completions = generate.sample_completions(
             run.policy,
@@ -405,7 +464,7 @@ def evaluate_and_sample(run: "Run", log: metrics.RunLog, step: int, t0: float) -
                 for i in range(min(run.cfg.sampling.num_samples, len(run.eval)))
             ],
             run.cfg.sampling,
-            run.pad_id,
+            run.layout.pad_id,
             run.cfg.seed,
             run.device,
         )
@@ -419,12 +478,13 @@ def evaluate_and_sample(run: "Run", log: metrics.RunLog, step: int, t0: float) -
 # ------------------------------------------------------------------------------------------- setup
 @dataclass
 class Run:
-    """What setup decides and builds, once."""
+    """What prepare() decides and reads, and what setup() then builds, once."""
 
     cfg: Config
     device: torch.device
     precision: precision.Precision
     tokenizer: transformers.PreTrainedTokenizerBase
+    model_config: transformers.PretrainedConfig
     train: data.RowTokens
     eval: data.RowTokens
     data: dict  # the tokenized data's summary: fingerprint, sha256, counts
@@ -432,47 +492,85 @@ class Run:
     # ground-truth scorer. None for other data.
     demo: list | None
     steps: batches.StepBatches  # each step's global batch
-    start_step: int
-    pad_id: int  # any id does: padding is never attended to nor scored
-    policy: torch.nn.Module
+    layout: batches.Layout  # how micro-batches lay out rows
+    # The checkpoint to resume from (checkpoint.resume_state), or None.
+    saved: dict | None
+    policy: torch.nn.Module | None = None
     # None with --ref precompute or a reference-free loss; with LoRA, the policy's base.
-    reference: torch.nn.Module | None
-    flop_coefficients: tuple[float, float, float]  # metrics.flop_coefficients of the policy
-    # How batches lay out rows: batches.collate_rows' share_prompt, pairs and best_only (SFT alone
-    # scores each row's best response, and no pairs).
-    layout: dict
+    reference: torch.nn.Module | None = None
+    flop_coefficients: tuple = ()  # metrics.flop_coefficients of the policy
     # --ref precompute: "train" and "eval", each batches.row_table's (N, K) per-response log-probs,
     # or with --ld-alpha (N, K, K), per pair.
     ref_tables: dict = field(default_factory=dict)
     # On a GPU, the plan of the first step's peak (plan_first_step), in GB, which train() checks.
     planned_gb: float | None = None
 
+    @property
+    def start_step(self) -> int:
+        return self.saved["step"] if self.saved else 0
 
-def setup(
-    cfg: Config, device: torch.device, stand_in: str | None = None
-) -> tuple[Run, torch.optim.Optimizer] | None:
-    """Resolve the config (in place: the micro-batch size); read the data (rank 0 tokenizes) and
-    the resume state; build the policy and (online) a frozen reference, sharded alike, each rank
-    reading its own rows of the weights (LoRA: the reference is the base, adapters off), or
-    precompute the reference's log-probs; then AdamW over the float32 master weights that train, as
-    saved when resuming. Raises ValueError, naming the flag or the file, for anything the user must
-    fix. With `stand_in`, a model whose config and tokenizer --model's will be once written (the
-    demo's SFT stage), only the checks that read no weights run, and None comes back."""
+
+def setup(cfg: Config, device: torch.device) -> tuple[Run, torch.optim.Optimizer]:
+    """The run, step by step: prepare() (all that reads no weights); the policy and (online) a
+    frozen reference, sharded alike, each rank reading its own rows of the weights (LoRA: the
+    reference is the base, adapters off); on a GPU, the first step's plan; --ref precompute's
+    log-probs; AdamW over the float32 master weights that train, as saved when resuming."""
+    run = prepare(cfg, device, cfg.model)
+    # A hub id is downloaded by each node's first rank alone (nodes need not share a cache); the
+    # others wait, then find it in the cache.
+    fsdp_setup.on_rank0(models.find_weights, cfg.model, share=False, per_node=True)
+    # Every rank maps the files and reads only its own rows.
+    weights = models.open_weights(cfg.model, run.model_config, cfg.seed)
+    if cfg.lora.lora_rank:
+        # The base's weights under peft's names, and the adapters as drawn.
+        trained = prepare_model(cfg, models.build_model(run.model_config))
+        weights = lora.initial_weights(trained, weights)
+    run.policy, run.reference = build_models(
+        cfg, run.model_config, weights, run.precision.mp_policy, device
+    )
+    del weights
+    run.flop_coefficients = metrics.flop_coefficients(run.policy)
+    metrics.say(
+        f"{cfg.model}: {metrics.sharded_line(run.policy)}, {run.precision.name}, "
+        f"{run.steps.total_steps} steps x {cfg.batching.batch_size} rows; peak host memory after "
+        "loading, GB by rank: "
+        + " ".join(f"{x:.2f}" for x in metrics.host_memory_by_rank_gb(device))
+    )
+    if device.type == "cuda":
+        run.planned_gb = plan_first_step(run)
+    if cfg.objective.ref == "precompute" and not cfg.objective.reference_free:
+        run.ref_tables = load_or_precompute_ref(run)
+    optimizer = torch.optim.AdamW(
+        [p for p in run.policy.parameters() if p.requires_grad],
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        fused=True,
+    )
+    if run.saved:
+        resume(run, optimizer)
+    return run, optimizer
+
+
+def prepare(cfg: Config, device: torch.device, model: str) -> Run:
+    """All of the run that reads no weights, so that what the user must fix fails first (a
+    ValueError naming the flag or the file): resolve the config (in place: the micro-batch size);
+    read `model`'s config and tokenizer (--model; for the demo's checks before its SFT stage,
+    "tiny", whose config and tokenizer its export will have), the data (rank 0 tokenizes) and the
+    resume state; with --plan or --micro-batch-size auto, plan each GPU's memory."""
     mixed = precision.resolve_precision(cfg.mixed_precision, device)
     if mixed.warning:
         metrics.say(f"warning: {mixed.warning}")
-    tokenizer = data.load_tokenizer(stand_in or cfg.model, cfg.dataset.chat_template)
-    model_config = models.load_model_config(
-        stand_in or cfg.model, tokenizer, cfg.dataset.max_length
-    )
+    tokenizer = data.load_tokenizer(model, cfg.dataset.chat_template)
+    model_config = models.load_model_config(model, tokenizer, cfg.dataset.max_length)
     # A bad --lora-targets (or --export-merged) fails here, before any weights are read.
-    probe = prepare_model(cfg, models.build_model(model_config))
+    trained = prepare_model(cfg, models.build_model(model_config))
     # A probe of the model's own kind, cut down: whether shared rows score as separate ones.
-    refusal = loss.shared_prompt_refusal(probe.config)
+    refusal = models.shared_prompt_refusal(trained.config, logps.shared_row_inputs)
     if cfg.batching.share_prompt and refusal:
         metrics.say(
-            f"note: {model_config.model_type} with {probe.config._attn_implementation} attention "
-            f"does not score a shared prompt exactly ({refusal}): separate rows (--no-share-prompt)"
+            f"note: {model_config.model_type} with {trained.config._attn_implementation} "
+            f"attention does not score a shared prompt exactly ({refusal}): separate rows "
+            "(--no-share-prompt)"
         )
     # SFT alone runs no other responses to share a prompt with.
     cfg.batching = cfg.batching.resolve(
@@ -480,7 +578,7 @@ def setup(
     )
     # The demo's files are data like any other, written once by rank 0.
     dataset, is_demo = fsdp_setup.on_rank0(demo.demo_config, cfg.dataset, data.write_jsonl)
-    train_pairs, eval_pairs, summary = data.load_tokens(
+    train_rows, eval_rows, summary = data.load_tokens(
         fsdp_setup.on_rank0(data.tokenize_to_cache, dataset, tokenizer, metrics.say)
     )
     if summary["train"]["unpaired"] and not cfg.objective.unpaired:
@@ -489,112 +587,64 @@ def setup(
             f"--loss kto or apo_zero_unpaired, not {' '.join(cfg.objective.loss)}"
         )
     if cfg.objective.unpaired:
-        _advise_weights(cfg.objective, train_pairs)
+        advice = loss.kto_weight_advice(batches.response_labels(train_rows.scores), cfg.objective)
+        if advice:
+            metrics.say(f"warning: {advice}")
     if "kto" in cfg.objective.loss:
         # KTO's KL estimate: each row carries its mismatched completions.
-        train_pairs = data.with_mismatched(train_pairs, cfg.dataset.max_length)
-        eval_pairs = data.with_mismatched(eval_pairs, cfg.dataset.max_length)
-    # Refuses less data than one batch, before any weights are read.
-    steps = batches.StepBatches(train_pairs.lengths, cfg.batching, cfg.seed)
-    # Rank 0 resolves "latest" for all (another node may still see its old target), or finds no
-    # other run's checkpoints where a new run would write.
-    saved = fsdp_setup.on_rank0(
-        checkpoint.resume_state,
-        os.path.join(cfg.out_dir, "checkpoints"),
-        cfg.checkpoints.resume,
-        _identity(cfg, summary),
-        _SAME_RUN,
-    )
-
+        train_rows = data.with_mismatched(train_rows, cfg.dataset.max_length)
+        eval_rows = data.with_mismatched(eval_rows, cfg.dataset.max_length)
     if cfg.memory_plan.plan or cfg.batching.micro_batch_size == "auto":
         micro, table = memory.choose(
-            plan_memory(cfg, device, mixed, model_config, train_pairs),
+            plan_memory(cfg, device, mixed, model_config, train_rows),
             cfg.memory_plan,
             device,
             cfg.batching.micro_batch_size,
         )
         cfg.batching = replace(cfg.batching, micro_batch_size=micro)
         metrics.say(table)
-    if stand_in or cfg.memory_plan.plan:
-        return None
-    # A hub id is downloaded by each node's first rank alone (nodes need not share a cache); the
-    # others wait, then find it in the cache.
-    fsdp_setup.on_rank0(models.find_weights, cfg.model, share=False, per_node=True)
-    # Every rank maps the files and reads only its own rows.
-    weights = models.open_weights(cfg.model, model_config, cfg.seed)
-    if cfg.lora.lora_rank:
-        # The base's weights under peft's names, and the adapters as drawn.
-        weights = lora.initial_weights(probe, weights)
-    policy, reference = build_models(cfg, model_config, weights, mixed.mp_policy, device)
-    del weights
-    run = Run(
+    return Run(
         cfg=cfg,
         device=device,
         precision=mixed,
         tokenizer=tokenizer,
-        train=train_pairs,
-        eval=eval_pairs,
+        model_config=model_config,
+        train=train_rows,
+        eval=eval_rows,
         data=summary,
         demo=[] if is_demo else None,
-        steps=steps,
-        start_step=saved["step"] if saved else 0,
-        pad_id=tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id,
-        policy=policy,
-        reference=reference,
-        flop_coefficients=metrics.flop_coefficients(policy),
-        layout={
-            "share_prompt": cfg.batching.share_prompt,
-            "pairs": cfg.batching.pairs,
-            "best_only": not cfg.objective.pairwise,
-            "score_prompts": "orpo" in cfg.objective.loss,
-        },
+        # Refuses less data than one batch, before any weights are read.
+        steps=batches.StepBatches(train_rows.lengths, cfg.batching, cfg.seed),
+        layout=cfg.batching.layout(
+            tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id,
+            not cfg.objective.pairwise,
+            "orpo" in cfg.objective.loss,
+        ),
+        # Rank 0 resolves "latest" for all (another node may still see its old target), or finds
+        # no other run's checkpoints where a new run would write.
+        saved=fsdp_setup.on_rank0(
+            checkpoint.resume_state,
+            os.path.join(cfg.out_dir, "checkpoints"),
+            cfg.checkpoints.resume,
+            _identity(cfg, summary),
+            _SAME_RUN,
+        ),
     )
-    metrics.say(
-        f"{cfg.model}: {metrics.sharded_line(policy)}, {mixed.name}, {steps.total_steps} steps x "
-        f"{cfg.batching.batch_size} rows; peak host memory after loading, GB by rank: "
-        + " ".join(f"{x:.2f}" for x in metrics.host_memory_by_rank_gb(device))
-    )
-    if device.type == "cuda":
-        run.planned_gb = plan_first_step(run, model_config)
-    if cfg.objective.ref == "precompute" and not cfg.objective.reference_free:
-        run.ref_tables = load_or_precompute_ref(run, model_config)
-    optimizer = torch.optim.AdamW(
-        [p for p in policy.parameters() if p.requires_grad],
-        lr=cfg.lr,
-        weight_decay=cfg.weight_decay,
-        fused=True,
-    )
-    if saved:
-        # TR-DPO's reference was saved too.
-        rngs = checkpoint.load_checkpoint(
-            saved["path"],
-            policy,
-            optimizer,
-            reference if cfg.objective.sync_ref_model else None,
-            mixed.scaler,
-        )
-        metrics.say(
-            f"resumed from {saved['path']} at step {run.start_step}"
-            + (
-                ""
-                if rngs
-                else f" (saved on {saved['world_size']} ranks: random generators not restored)"
-            )
-        )
-    return run, optimizer
 
 
-def _advise_weights(objective: loss.LossConfig, rows: data.RowTokens) -> None:
-    """TRL's warning where desirable and undesirable responses are unbalanced and the weights do
-    not make up for it."""
-    labels = [
-        label
-        for scores in rows.scores.tolist()
-        for label in batches.labels([s for s in scores if not math.isnan(s)])
-    ]
-    advice = loss.kto_weight_advice(sum(labels), len(labels) - sum(labels), objective)
-    if advice:
-        metrics.say(f"warning: {advice}")
+def resume(run: Run, optimizer: torch.optim.Optimizer) -> None:
+    """The policy, the optimizer, fp16's scale, TR-DPO's reference (saved too) and the random
+    generators as run.saved's checkpoint holds them."""
+    saved = run.saved
+    rngs = checkpoint.load_checkpoint(
+        saved["path"],
+        run.policy,
+        optimizer,
+        run.reference if run.cfg.objective.sync_ref_model else None,
+        run.precision.scaler,
+    )
+    lost = f" (saved on {saved['world_size']} ranks: random generators not restored)"
+    metrics.say(f"resumed from {saved['path']} at step {run.start_step}{'' if rngs else lost}")
 
 
 def build_models(cfg: Config, model_config, weights: dict | None, mp_policy, device: torch.device):
@@ -617,16 +667,14 @@ def build_models(cfg: Config, model_config, weights: dict | None, mp_policy, dev
 def plan_memory(
     cfg: Config, device: torch.device, mixed, model_config, tokens, among: list[int] | None = None
 ) -> memory.Plan:
-    """Each GPU's memory for a step at each micro-batch size (memory.plan_memory), traced on fake
-    models built as training builds them, on micro-batches of the data's longest rows; without
-    --data, of rows of a --max-prompt-length prompt and --plan-responses responses that fill
-    --max-length. among: instead, the run's micro-batch size alone, of the longest of these
-    rows."""
+    """Each GPU's memory for a step at each micro-batch size (memory.plan_run), traced on fake
+    models built as training builds them, on micro-batches of the data's longest rows laid out as
+    training lays them out; without --data, of rows of a --max-prompt-length prompt and
+    --plan-responses responses that fill --max-length. among: instead, the run's micro-batch size
+    alone, of the longest of these rows. The output layer is fused into the loss, as on a GPU,
+    wherever the plan is traced."""
     per_rank = cfg.batching.batch_size // dist.get_world_size()
-    sizes = memory.micro_batch_sizes(per_rank)
-    if among is not None:
-        sizes = [cfg.batching.micro_batch_size]
-    elif not cfg.dataset.data:
+    if among is None and not cfg.dataset.data:
         tokens = data.synthetic_rows(
             per_rank,
             cfg.dataset.prompt_limit,
@@ -635,54 +683,39 @@ def plan_memory(
         )
         if "kto" in cfg.objective.loss:
             tokens = data.with_mismatched(tokens, cfg.dataset.max_length)
+    layout = cfg.batching.layout(0, not cfg.objective.pairwise, "orpo" in cfg.objective.loss)
+
+    def build():  # (policy, reference) on the meta device
+        return build_models(cfg, model_config, None, mixed.mp_policy, device)
+
+    def collate(size):  # the `size` longest rows (of `among`)
+        return layout.collate([tokens[i] for i in batches.longest_rows(tokens, size, among)])
 
     def micro_batch(policy, rows):  # forward and backward, the reference's log-probs given
         # One per response (per pair side for LD-DPO), as --ref precompute's table gives them.
-        sides = (
-            len(rows.response_rows)
-            if cfg.objective.ld_alpha is None
-            else 2 * len(rows.chosen_index)
-        )
-        ref_logps = torch.zeros(sides, device=device)
-        out = loss.batch_loss(policy, None, rows.to(device), cfg.objective, ref_logps, 1.0)
-        out["losses"].sum().backward()
+        sides = len(rows.response_rows)
+        if cfg.objective.ld_alpha is not None:
+            sides = 2 * len(rows.chosen_index)
+        ref = torch.zeros(sides, device=device)
+        micro_batch_loss(
+            cfg.objective, policy, None, rows.to(device), ref, 1.0
+        ).losses.sum().backward()
 
-    rows = {
-        size: batches.collate_rows(
-            [tokens[i] for i in batches.longest_rows(tokens, size, among)],
-            0,
-            cfg.batching.share_prompt,
-            cfg.batching.pairs,
-            not cfg.objective.pairwise,
-            "orpo" in cfg.objective.loss,
-        )
-        for size in sizes
-    }
-
-    policy, reference = build_models(cfg, model_config, None, mixed.mp_policy, device)
-    # The GPU's output layer, fused into the loss, wherever the plan is traced. Rows are never
-    # packed sequences, which transformers cannot tell on fake tensors: it would build a mask, and
-    # SDPA would take its masked kernel, where training takes the causal one.
-    with (
-        loss.fused_head(),
-        mock.patch.object(
-            transformers.masking_utils, "find_packed_sequence_indices", return_value=None
-        ),
-    ):
-        return memory.plan_memory(
-            policy,
-            reference,
-            micro_batch,
-            rows,
-            per_rank,
-            device,
-            cfg.fsdp.unsharded_grad_accumulation,
-            cfg.fsdp.cpu_offload,
-            {loss.__file__: "output layer and loss"},
-        )
+    return memory.plan_run(
+        build,
+        collate,
+        micro_batch,
+        per_rank,
+        device,
+        None if among is None else [cfg.batching.micro_batch_size],
+        cfg.fsdp.unsharded_grad_accumulation,
+        cfg.fsdp.cpu_offload,
+        {logps.__file__: "output layer and loss", loss.__file__: "output layer and loss"},
+        logps.fused_head(),
+    )
 
 
-def plan_first_step(run: Run, model_config) -> float | None:
+def plan_first_step(run: Run) -> float | None:
     """GB: the plan of this run's first step on its fullest GPU, to check against the step's
     measured peak: on each rank, of its longest rows of the step as one micro-batch of the run's
     size (so an upper bound where the step's micro-batches differ in length). None where any rank
@@ -696,7 +729,7 @@ def plan_first_step(run: Run, model_config) -> float | None:
         run.cfg,
         run.device,
         run.precision,
-        model_config,
+        run.model_config,
         run.train,
         mine,
     )
@@ -714,9 +747,9 @@ def _identity(cfg: Config, summary: dict) -> dict:
 
 # ------------------------------------------------------------------------------------------ models
 def prepare_model(cfg: Config, model):
-    """The model as trained: its output layer scores responses alone (loss.ScoredHead); LoRA's
+    """The model as trained: its output layer scores responses alone (logps.ScoredHead); LoRA's
     adapters on."""
-    loss.add_scored_head(model)
+    logps.add_scored_head(model)
     # The output layer computes the log-probs: lora.add_adapters refuses adapters on it.
     return (
         lora.add_adapters(model, cfg.lora, fsdp_setup.find_block_class(model), cfg.seed)
@@ -725,7 +758,7 @@ def prepare_model(cfg: Config, model):
     )
 
 
-def load_or_precompute_ref(run: Run, model_config) -> dict[str, torch.Tensor]:
+def load_or_precompute_ref(run: Run) -> dict[str, torch.Tensor]:
     """--ref precompute's {"train", "eval"}: (N, K) summed log-probs of each row's responses by the
     untrained policy (LoRA: adapters off), or with --ld-alpha (N, K, K) of each response against
     each it pairs with; cached in {cache_dir}/ref-<hash>.safetensors, keyed by all they depend
@@ -733,7 +766,7 @@ def load_or_precompute_ref(run: Run, model_config) -> dict[str, torch.Tensor]:
     key = {
         # Rank 0's identity of the model: file times may differ between nodes.
         "model": fsdp_setup.on_rank0(
-            models.model_identity, run.cfg.model, model_config, run.cfg.seed
+            models.model_identity, run.cfg.model, run.model_config, run.cfg.seed
         ),
         "data": run.data["fingerprint"],
         "precision": run.precision.name,
@@ -755,12 +788,11 @@ def load_or_precompute_ref(run: Run, model_config) -> dict[str, torch.Tensor]:
             split: batches.response_table(
                 tokens,
                 # (R,), or (2P,) pair sides with --ld-alpha
-                lambda rows: loss.batch_logps(reference, rows, run.cfg.objective.ld_alpha),
+                lambda rows: logps.response_logps(reference, rows, run.cfg.objective.ld_alpha),
                 run.cfg.objective.ld_alpha is not None,
                 run.cfg.batching.micro_batch_size,
-                run.pad_id,
                 run.device,
-                **run.layout,
+                run.layout,
             )
             for split, tokens in (("train", run.train), ("eval", run.eval))
         }
@@ -856,28 +888,8 @@ def export_final(run: Run, log: metrics.RunLog) -> None:
 
 
 # -------------------------------------------------------------------------------------------- main
-def _flowing_help(config_class) -> None:
-    """tyro prints a field's docstring with its source's line breaks, ragged in a terminal: give
-    each field of `config_class` and of its sub-configs its docstring as flowing paragraphs, as
-    "help" in the field's metadata, which tyro prefers (and no "(default: None)" after it).
-    docstring_parser is tyro's own reader."""
-    for doc in docstring_parser.parse_from_object(config_class).params:
-        paragraphs = (" ".join(lines.split()) for lines in doc.description.split("\n\n"))
-        field_ = config_class.__dataclass_fields__[doc.arg_name]
-        field_.metadata = {**field_.metadata, "help": "\n\n".join(paragraphs)}
-        if field_.default is None:
-            # A default computed later: the docstring says what decides it, not "(default: None)".
-            config_class.__annotations__[doc.arg_name] = Annotated[
-                field_.type, tyro.conf.arg(help_behavior_hint="")
-            ]
-    for hint in get_type_hints(config_class).values():
-        if is_dataclass(hint):
-            _flowing_help(hint)
-
-
 def main(argv: list[str] | None = None) -> None:
     transformers.utils.logging.disable_progress_bar()
-    _flowing_help(Config)
     argv = sys.argv[1:] if argv is None else argv
     try:
         cfg = _parse(argv)
@@ -891,14 +903,17 @@ def main(argv: list[str] | None = None) -> None:
         )
         if stages:
             # The run asked for, from the demo's SFT model; its own flags come last and win.
-            cfg = _parse([*stages["then"], *argv])
-            metrics.say(stages["line"])
-        if stages.get("sft"):
+            cfg = _parse([*stages.dpo_flags, *argv])
+            metrics.say(stages.line)
+        if stages and stages.sft_flags:
             # Every check of the DPO run that reads no weights passes before the stage starts. The
             # stage's model will be the tiny one, trained: its config and tokenizer stand in.
-            run_process_group(cfg, setup, "tiny")
-            run_process_group(_parse(stages["sft"]), train, stages["resume_hint"])
-        run_process_group(cfg, setup if cfg.memory_plan.plan else train)
+            run_process_group(cfg, prepare, "tiny")
+            run_process_group(_parse(stages.sft_flags), train, stages.resume_hint)
+        if cfg.memory_plan.plan:
+            run_process_group(cfg, prepare, cfg.model)
+        else:
+            run_process_group(cfg, train)
     except ValueError as e:
         metrics.say(f"error: {e}")
         sys.exit(2)
@@ -907,13 +922,12 @@ def main(argv: list[str] | None = None) -> None:
 def _parse(argv: list[str]) -> Config:
     # Repeated --data, --eval-data, --loss flags append. Every parse error is one line, as
     # generate.py's are.
-    with tyro._errors.on_parse_error(generate.raise_parse_error):
-        return tyro.cli(Config, args=argv, config=(tyro.conf.UseAppendAction,))
+    return generate.parse_flags(Config, argv, tyro.conf.UseAppendAction)
 
 
 def run_process_group(cfg: Config, fn, *args) -> None:
-    """fn(cfg, device, *args) in a process group of its own (train, or setup's checks alone);
-    exits with the code it returns, unless 0 or None."""
+    """fn(cfg, device, *args) in a process group of its own (train, or prepare's checks alone);
+    exits with the code train returns, unless 0."""
     _, _, device = fsdp_setup.init_distributed(
         cfg.fsdp.device,
         cfg.fsdp.replicas,
@@ -924,7 +938,7 @@ def run_process_group(cfg: Config, fn, *args) -> None:
         code = fn(cfg, device, *args)
     finally:
         dist.destroy_process_group()
-    if code:
+    if isinstance(code, int) and code:
         sys.exit(code)
 
 

@@ -1,11 +1,11 @@
-"""Peak memory of the fused output layer's backward (loss._TokenLogps through a (V, H) weight), on
+"""Peak memory of the fused output layer's backward (logps._TokenLogps through a (V, H) weight), on
 the CPU: the bytes of the tensors that the backward's torch ops make, alive at once at their peak
 (the returned gradients included), counted by a TorchDispatchMode, so the figure does not depend on
 the allocator. Run from the repo root; each git revision named is measured too, from its loss.py:
 
     python bench/fused_head_memory.py cd5d119  # cd5d119: the commit before the vocabulary blocks
 
-V = 32000, H = 1024, N = 512 scored tokens. The float32 chunk budget (loss._chunk_rows) is cut from
+V = 32000, H = 1024, N = 512 scored tokens. The float32 chunk budget (logps._chunk_rows) is cut from
 2**26 to 2**22 elements for every version measured, so that 512 tokens make several chunks, as
 thousands do under the full budget at V = 128k."""
 
@@ -59,11 +59,14 @@ class LiveBytes(TorchDispatchMode):
 
 
 def load(rev):
-    """loss.py of a git revision (None: the working tree's) as a module of its own."""
+    """The output layer's file of a git revision (None: the working tree's) as a module of its own:
+    logps.py, or loss.py before the log-prob machinery had a file of its own."""
+    names = subprocess.check_output(["git", "ls-tree", "--name-only", rev or "HEAD"], text=True)
+    name = "logps.py" if "logps.py" in names.split() else "loss.py"
     if rev is None:
-        source = open("loss.py").read()
+        source = open("logps.py").read()
     else:
-        source = subprocess.check_output(["git", "show", f"{rev}:loss.py"], text=True)
+        source = subprocess.check_output(["git", "show", f"{rev}:{name}"], text=True)
     module = types.ModuleType(f"loss_{rev or 'tree'}")
     sys.modules[module.__name__] = module  # dataclasses look their module up
     exec(compile(source, f"loss.py@{rev or 'tree'}", "exec"), module.__dict__)
@@ -72,7 +75,7 @@ def load(rev):
 
 
 def chunk_rows(vocab, device, matmul=False):
-    """loss._chunk_rows under the smaller budget."""
+    """_chunk_rows under the smaller budget."""
     return max(1, BUDGET // vocab)
 
 

@@ -10,7 +10,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from loss import sequence_logps  # noqa: E402
+from logps import sequence_logps  # noqa: E402
 
 torch.manual_seed(0)
 B, T, V, P = 8, 1024, 32000, 300

@@ -1,7 +1,7 @@
-"""The memory plan against real training steps on this CPU, with the GPU's paths: the output layer
-fused into the loss (loss.fused_head), SDPA's kernels where the CPU has them. Each grid point trains
-4 steps of a run (its rows all of one shape, so that every micro-batch is the longest) and measures
-on each rank, two ways:
+"""The memory plan against real training steps on this CPU, with the GPU's paths: the output
+layer fused into the loss (logps.fused_head), SDPA's kernels where the CPU has them. Each grid
+point trains 4 steps of a run (its rows all of one shape, so that every micro-batch is the
+longest) and measures on each rank, two ways:
 - the third step's peak of live tensor bytes with torch's FSDPMemTracker: weights, gradients,
   optimizer state, activations and FSDP2's buffers (the reference's shards, which it does not see,
   added). It sees tensors at the dispatcher, as the plan does;
@@ -32,7 +32,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # noqa: E
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import fsdp_setup  # noqa: E402
-import loss  # noqa: E402
+import logps  # noqa: E402
 import memory  # noqa: E402
 import train_dpo  # noqa: E402
 
@@ -177,7 +177,7 @@ def measure(argv: list[str]) -> tuple[float, float, float]:
     except ImportError:
         sys.exit("bench/plan_check.py measures at the allocator with memray: pip install memray")
     real_step = train_dpo.train_step
-    real_logps = loss.response_logps
+    real_logps = logps.response_logps
     peaks = []
     tracking = []
 
@@ -218,13 +218,13 @@ def measure(argv: list[str]) -> tuple[float, float, float]:
         return real_logps(*args)
 
     train_dpo.train_step = step
-    loss.response_logps = response_logps
+    logps.response_logps = response_logps
     try:
-        with loss.fused_head():
+        with logps.fused_head():
             train_dpo.main([*argv, "--max-steps", "4"])
     finally:
         train_dpo.train_step = real_step
-        loss.response_logps = real_logps
+        logps.response_logps = real_logps
     return peaks[2], peaks[3], peaks[4]
 
 
