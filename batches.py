@@ -13,7 +13,9 @@ is the (N, 1 + K) tensor of their lengths, `rows.scores` the (N, K) scores, NaN 
 
 
     class Rows(list):  # data.RowTokens' rows[i] and lengths, as these functions read them
-        lengths = torch.tensor([[3, 3, 2, 0], [2, 2, 3, 2], [4, 2, 2, 0], [2, 2, 2, 3]])
+        lengths = torch.tensor(
+            [[3, 3, 2, 0], [2, 2, 3, 2], [4, 2, 2, 0], [2, 2, 2, 3]], device="cpu"
+        )
 
 
     pair = {"prompt": [5, 6, 7], "responses": [[8, 9, 1], [10, 1]], "scores": [1.0, 0.0]}  # EOS 1
@@ -172,6 +174,11 @@ class RowBatch:
     def pair_sides(self, values: torch.Tensor) -> torch.Tensor:
         """(2P,) [chosen; rejected] of the pairs from (R,) per-response values."""
         return values[torch.cat([self.chosen_index, self.rejected_index])]
+
+    def pair_prompts(self, values: torch.Tensor) -> torch.Tensor:
+        """(P,) each pair's prompt's value from the (B,) per-row values that follow the R
+        responses' in (R + B,) ones (scored_prompts)."""
+        return values[len(self.response_rows) :][self.response_rows[self.chosen_index]]
 
     def by_row(self, values: torch.Tensor) -> torch.Tensor:
         """(B, K) float32 from (R,) per-response values: each at its row and column, 0 past a

@@ -30,7 +30,7 @@ GPU, Python RNGs). This runs as written:
     saver = Checkpointer(root, keep_last=2)  # background=True: writes in a thread
     stop = StopRequest()  # SIGTERM/SIGUSR1/SIGINT: finish the step, save, exit
     for step in (1, 2, 3):
-        model(torch.ones(1, 4)).sum().backward()
+        model(torch.ones(1, 4, device="cpu")).sum().backward()
         optimizer.step()
         # root/step-N, then root/latest pointing at it
         saver.save(step, model, optimizer, {"step": step, "config": config})
@@ -74,7 +74,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.optim import Optimizer
 
 _STATE = "trainer_state.json"
 
@@ -105,7 +104,8 @@ class Checkpointer:
     complete), then points root/latest at it, so that a run killed mid-save resumes from the
     previous one, and keeps the newest keep_last (0: all). With background=True, save() returns
     once the shards are copied to host memory, and a thread writes them over a gloo group of its
-    own; finish() completes that write. Make one per process group: it holds that group and, on
+    own; finish() completes that write. Make one per process group, on every rank, once the models
+    are on their device: it holds that group (background=True: made here, a collective) and, on
     GPUs, the pinned host buffers that every save reuses."""
 
     def __init__(self, root: str, keep_last: int = 0, background: bool = False):
@@ -114,14 +114,31 @@ class Checkpointer:
         self.background = background
         # The background write in flight: (its future, the folder `latest` moves to once done).
         self._write = None
-        self._group = None
-        self._stager = None
+        # Its own timeout: the write's last gather waits for the slowest rank's shards to reach the
+        # disk.
+        self._group = (
+            dist.new_group(backend="gloo", timeout=timedelta(hours=6)) if background else None
+        )
+        # Pinned host buffers on GPUs, made once and reused by every save: fast copies from the GPU,
+        # and no new page-locked memory at each save.
+        self._stager = (
+            staging.DefaultStager(
+                staging.StagingOptions(
+                    use_pinned_memory=True,
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=False,
+                )
+            )
+            if background and torch.cuda.is_initialized()
+            else None
+        )
 
     def save(
         self,
         step: int,
         model: nn.Module,
-        optimizer: Optimizer,
+        optimizer: torch.optim.Optimizer,
         extra: dict,
         reference: nn.Module | None = None,
         scaler: torch.amp.GradScaler | None = None,
@@ -134,8 +151,7 @@ class Checkpointer:
         self.finish()
         path = os.path.join(self.root, f"step-{step}")
         tmp = path + ".tmp"
-        rank = dist.get_rank()
-        if rank == 0:
+        if dist.get_rank() == 0:
             # Leftovers of an earlier save that was killed go first.
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
@@ -154,39 +170,23 @@ class Checkpointer:
                 # never starts CUDA, does not start it here.
                 "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
             },
-            os.path.join(tmp, f"rng-rank{rank}.pt"),
+            os.path.join(tmp, f"rng-rank{dist.get_rank()}.pt"),
         )
         trained = _trained_state(model, optimizer, reference)
-        if not self.background:
-            dcp.save(trained, checkpoint_id=tmp)
-            # Every rank's part is on disk before `latest` moves.
-            dist.barrier()
-            self._publish(path)
-            dist.barrier()
-            return path
-        if self._group is None:
-            # A collective, on every rank. Its own timeout: the write's last gather waits for the
-            # slowest rank's shards to reach the disk.
-            self._group = dist.new_group(backend="gloo", timeout=timedelta(hours=6))
-        if self._stager is None and torch.cuda.is_initialized():
-            # Pinned host buffers, made once and reused by every save: fast copies from the GPU,
-            # and no new page-locked memory at each save.
-            self._stager = staging.DefaultStager(
-                staging.StagingOptions(
-                    use_pinned_memory=True,
-                    use_shared_memory=False,
-                    use_async_staging=False,
-                    use_non_blocking_copy=False,
-                )
+        # Either write ends in a gather: rank 0's is done once every rank's shards and RNG file are
+        # on disk, before `latest` moves.
+        if self.background:
+            self._write = (
+                dcp.async_save(
+                    trained, checkpoint_id=tmp, process_group=self._group, async_stager=self._stager
+                ),
+                path,
             )
-        # The write ends in a gather: rank 0's future is done once every rank's shards and RNG
-        # file are on disk.
-        self._write = (
-            dcp.async_save(
-                trained, checkpoint_id=tmp, process_group=self._group, async_stager=self._stager
-            ),
-            path,
-        )
+        else:
+            dcp.save(trained, checkpoint_id=tmp)
+            self._publish(path)
+            # No rank goes on before `latest` has moved.
+            dist.barrier()
         return path
 
     def finish(self, wait: bool = True) -> None:
@@ -237,9 +237,8 @@ def resume_state(root: str, spec: str | None, current: dict, fixed: dict[str, st
     every `fixed` setting. None (no --resume): a new run, None, refused where `root` holds another
     run's checkpoints, which it would mix with its own. Either way refused where the nearest folder
     above `root` that exists is a file or one this process cannot write in, before any work."""
-    folder = os.path.abspath(os.path.dirname(root))
-    existing = next(p for p in (folder, *pathlib.Path(folder).parents) if os.path.exists(p))
-    if not (os.path.isdir(existing) and os.access(existing, os.W_OK)):
+    existing = next(p for p in pathlib.Path(os.path.abspath(root)).parents if p.exists())
+    if not (existing.is_dir() and os.access(existing, os.W_OK)):
         raise ValueError(f"{os.path.dirname(root)}: a run cannot make its folder in {existing}")
     if spec is None and os.path.isfile(os.path.join(root, "latest")):
         raise ValueError(
@@ -262,7 +261,7 @@ def read_trainer_state(path: str) -> dict:
 def load_checkpoint(
     path: str,
     model: nn.Module,
-    optimizer: Optimizer,
+    optimizer: torch.optim.Optimizer,
     reference: nn.Module | None = None,
     scaler: torch.amp.GradScaler | None = None,
 ) -> bool:
@@ -297,7 +296,9 @@ def load_checkpoint(
     return True
 
 
-def _trained_state(model: nn.Module, optimizer: Optimizer, reference: nn.Module | None) -> dict:
+def _trained_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, reference: nn.Module | None
+) -> dict:
     """The model's state less frozen weights (LoRA's base: a resumed run has them already), the
     optimizer's, and the reference's when given."""
     frozen = {

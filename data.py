@@ -215,8 +215,9 @@ def read_rows(spec: str) -> list[dict]:
 def _read_pair(row: dict, where: str) -> tuple:
     """(prompt, responses, scores, the responses' fields, kind) of a pair {"prompt", "chosen",
     "rejected"}. Without a prompt it is the responses' shared start, found once tokenized."""
-    fields = [(f, row.get(f)) for f in ("prompt", "chosen", "rejected")]
-    kinds = _kinds(fields, where, optional="prompt")
+    kinds = _kinds(
+        [(f, row.get(f)) for f in ("prompt", "chosen", "rejected")], where, optional="prompt"
+    )
     prompt, responses = row.get("prompt"), [row["chosen"], row["rejected"]]
     if list(kinds.values()) == ["standard", "conversational", "conversational"]:
         # ultrafeedback_binarized's shape: the responses begin with the string prompt as a user
@@ -229,15 +230,20 @@ def _read_pair(row: dict, where: str) -> tuple:
                 "turn, or give the prompt as a message list and the responses without it"
             )
         prompt, responses = shared, [r[len(shared) :] for r in responses]
-    elif len(set(kinds.values())) > 1:
-        raise _mixed(
+    else:
+        _same_kind(
             kinds,
             where,
             "all three as strings or as message lists (a string prompt goes with message-list "
             "responses that begin with it as a user turn)",
         )
-    kind = kinds["chosen"] if "prompt" in kinds else f"implicit-prompt {kinds['chosen']}"
-    return prompt, responses, [1.0, 0.0], ["chosen", "rejected"], kind
+    return (
+        prompt,
+        responses,
+        [1.0, 0.0],
+        ["chosen", "rejected"],
+        kinds["chosen"] if "prompt" in kinds else f"implicit-prompt {kinds['chosen']}",
+    )
 
 
 def _k_shape(row: dict) -> tuple | None:
@@ -287,8 +293,7 @@ def _read_scored(row: dict, where: str) -> tuple:
     ]
     kinds = _kinds(fields, where)
     prompt, responses = fields[0][1], [value for _, value in fields[1:]]
-    if len(set(kinds.values())) > 1:
-        raise _mixed(kinds, where, "the prompt and every response as strings or as message lists")
+    _same_kind(kinds, where, "the prompt and every response as strings or as message lists")
     if chat and kinds[prompt_field] == "standard":
         # A user's request and a chat model's answers: trained as the chat they were.
         prompt, responses = (
@@ -357,11 +362,13 @@ def _kinds(fields: list[tuple[str, object]], where: str, optional: str = "") -> 
     }
 
 
-def _mixed(kinds: dict[str, str], where: str, give: str) -> DataError:
-    """The error for a row whose fields mix strings and message lists: each is rendered its own
-    way (a template renders messages), so the prompt and responses must agree."""
-    shapes = ", ".join(f"{k}: {v}" for k, v in kinds.items())
-    return DataError(f"{where}: fields mix strings and message lists ({shapes}); give {give}")
+def _same_kind(kinds: dict[str, str], where: str, give: str) -> None:
+    """DataError, saying to `give` the fields so, unless they are all strings or all message lists:
+    each is rendered its own way (a template renders messages), so the prompt and responses must
+    agree."""
+    if len(set(kinds.values())) > 1:
+        shapes = ", ".join(f"{k}: {v}" for k, v in kinds.items())
+        raise DataError(f"{where}: fields mix strings and message lists ({shapes}); give {give}")
 
 
 def _by_prompt(rows: list[dict], spec: str) -> list[dict]:
@@ -369,12 +376,12 @@ def _by_prompt(rows: list[dict], spec: str) -> list[dict]:
     order; DataError unless both labels occur."""
     grouped = {}
     for row in rows:
-        key = json.dumps(row["prompt"])
-        if key not in grouped:
-            grouped[key] = {**row, "responses": [], "scores": [], "cut": [], "fields": []}
-            grouped[key]["unpaired"] = True
+        group = grouped.setdefault(
+            json.dumps(row["prompt"]),
+            {**row, "responses": [], "scores": [], "cut": [], "fields": [], "unpaired": True},
+        )
         for name in ("responses", "scores", "cut", "fields"):
-            grouped[key][name] += row[name]
+            group[name] += row[name]
     labels = {score for row in rows for score in row["scores"]}
     if len(labels) < 2:
         raise DataError(
@@ -390,20 +397,16 @@ def _read_source(spec: str) -> list[tuple[str, object]]:
     whole, without lines, and in a hub dataset."""
     if spec.startswith("hub:"):
         return [(f"{spec} row {i + 1}", row) for i, row in enumerate(_load_hub(spec))]
-    if not os.path.isfile(spec):
-        raise DataError(
-            f"{spec}: no such file (give a .jsonl/.json path, hub:NAME[:split] or demo)"
-        )
-    data = Path(spec).read_bytes()
+    data = _file_bytes(spec)
     try:
         # A leading byte-order mark is dropped.
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        column = e.start - data.rfind(b"\n", 0, e.start)
+        # The lines before the bad byte's, and its own up to it.
+        *lines, start = data[: e.start].split(b"\n")
         raise DataError(
-            f"{spec}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at column {column}); save "
-            "the file as UTF-8"
+            f"{spec}:{len(lines) + 1}: not UTF-8 text (byte 0x{data[e.start]:02x} at column "
+            f"{len(start) + 1}); save the file as UTF-8"
         ) from None
     if not text.strip():
         raise DataError(f"{spec}:1: empty file, expected preference rows")
@@ -423,6 +426,15 @@ def _read_source(spec: str) -> list[tuple[str, object]]:
             f"{_JSON_KINDS[type(rows[0][1])]}"
         )
     return rows
+
+
+def _file_bytes(spec: str) -> bytes:
+    """A data file's bytes; DataError naming it if there is none."""
+    if not os.path.isfile(spec):
+        raise DataError(
+            f"{spec}: no such file (give a .jsonl/.json path, hub:NAME[:split] or demo)"
+        )
+    return Path(spec).read_bytes()
 
 
 def _loads(text: str, spec: str, line: int = 1) -> object:
@@ -486,9 +498,8 @@ def _render(row: dict, tokenizer) -> tuple[str, list[str]]:
         )
         if not full.startswith(text):
             raise DataError(
-                f"{where}: field '{row.get('fields', ['responses'] * len(responses))[j]}': the "
-                "chat template renders the prompt differently once the response follows, so the "
-                "two cannot be split"
+                f"{where}: field '{row['fields'][j]}': the chat template renders the prompt "
+                "differently once the response follows, so the two cannot be split"
             )
         texts.append(full[len(text) :])
         if row["cut"][j] and response:
@@ -547,14 +558,13 @@ class RowTokens:
 
     def __getitem__(self, i: int) -> dict[str, list]:
         p, *sizes = self.lengths[i].tolist()
-        scores = self.scores[i][~self.scores[i].isnan()].tolist()
         # Every response has a token at least: 0 is padding.
         ends = list(itertools.accumulate([n for n in sizes if n], initial=p))
         row = self.ids[self._starts[i] : self._starts[i + 1]].tolist()
         return {
             "prompt": row[:p],
             "responses": [row[a:b] for a, b in zip(ends, ends[1:])],
-            "scores": scores,
+            "scores": self.scores[i][~self.scores[i].isnan()].tolist(),
         }
 
 
@@ -569,28 +579,31 @@ def with_mismatched(tokens: RowTokens, max_length: int) -> RowTokens:
     # Each segment's start in tokens.ids, where the rows lie end to end.
     starts = lengths.flatten().cumsum(0).view_as(lengths) - lengths
     real = lengths[:, 1:] > 0
-    room = (max_length - lengths[:, :1]).expand_as(real)[real]
     before = torch.zeros_like(lengths[:, 1:]).masked_scatter(real, starts[:, 1:][real].roll(1))
-    taken = torch.zeros_like(lengths[:, 1:]).masked_scatter(
-        real, torch.minimum(lengths[:, 1:][real].roll(1), room)
+    # Cut to the room after the row's prompt; a 0 past the row's own responses stays 0.
+    taken = torch.minimum(
+        torch.zeros_like(lengths[:, 1:]).masked_scatter(real, lengths[:, 1:][real].roll(1)),
+        max_length - lengths[:, :1],
     )
     segments = torch.cat([lengths, taken], 1)  # (N, 1 + 2K)
     flat = segments.flatten()
-    total = int(flat.sum())
-    # Each token's place in tokens.ids: its segment's start, plus its place in the segment.
-    within = torch.arange(total) - (flat.cumsum(0) - flat).repeat_interleave(
-        flat, output_size=total
+    # Each token's place in tokens.ids: its own place in the result, moved by how far its segment's
+    # start there is from that segment's start in tokens.ids.
+    shift = (torch.cat([starts, before], 1).flatten() - (flat.cumsum(0) - flat)).repeat_interleave(
+        flat
     )
-    first = torch.cat([starts, before], 1).flatten().repeat_interleave(flat, output_size=total)
-    return RowTokens(tokens.ids[first + within], segments, tokens.scores)
+    return RowTokens(tokens.ids[torch.arange(len(shift)) + shift], segments, tokens.scores)
 
 
 def synthetic_rows(n: int, prompt: int, length: int, k: int) -> RowTokens:
     """n rows of a `prompt`-token prompt and k responses, each as long as `length` leaves (all
     token 0), scored k, ..., 1: rows of a given shape, for a memory plan without data."""
     lengths = torch.tensor([[prompt] + [length - prompt] * k] * n)
-    scores = torch.arange(k, 0, -1, dtype=torch.float32).repeat(n, 1)
-    return RowTokens(torch.zeros(int(lengths.sum()), dtype=torch.int32), lengths, scores)
+    return RowTokens(
+        torch.zeros(int(lengths.sum()), dtype=torch.int32),
+        lengths,
+        torch.arange(k, 0, -1, dtype=torch.float32).repeat(n, 1),
+    )
 
 
 def tokenize_rows(
@@ -621,15 +634,13 @@ def tokenize_rows(
     # Rows that rank nothing: a score missing or not finite, or all scores equal.
     scored = []
     for row in rows:
-        cut = row.get("cut", [False] * len(row["responses"]))
-        counts["cut_responses"] += sum(cut)
+        counts["cut_responses"] += sum(row["cut"])
         # A response cut short loses --missing-eos-penalty before any pair is drawn, as in TRL;
         # an unpaired row's scores are its labels, which stay.
         penalty = 0.0 if row.get("unpaired") else config.missing_eos_penalty
         row = {
             **row,
-            "cut": cut,
-            "scores": [s - penalty if c else s for s, c in zip(row["scores"], cut)],
+            "scores": [s - penalty if c else s for s, c in zip(row["scores"], row["cut"])],
         }
         if not all(map(math.isfinite, row["scores"])):
             counts["dropped_unscored"] += 1
@@ -655,9 +666,11 @@ def tokenize_rows(
         for row, (_, responses), ids in zip(chunk, texts, prompts):
             # A chat template writes BOS itself, and so do prompts rendered by one (RLHFlow's);
             # other plain text gets the tokenizer's leading specials.
-            prompt = ids
-            if not isinstance(row["responses"][0], list) and ids[: len(prefix)] != prefix:
-                prompt = prefix + ids
+            prompt = (
+                ids
+                if isinstance(row["responses"][0], list) or ids[: len(prefix)] == prefix
+                else prefix + ids
+            )
             if not prompt:
                 raise DataError(
                     f"{row['where']}: field 'prompt' is empty and the tokenizer adds no BOS, so "
@@ -734,7 +747,7 @@ def _truncate(
     config: DataConfig,
     counts: dict,
     raw: dict,
-    need: int = 2,
+    need: int,
 ) -> tuple[list[int], list[tuple[list[int], float]]] | None:
     """(prompt, [(response, score)]) cut to config's limits, without empty responses or repeats of
     an earlier one (counted); None when fewer than `need` distinct scores are left (counted)."""
@@ -840,14 +853,12 @@ def tokenize_to_cache(config: DataConfig, tokenizer, progress=None) -> str:
     if os.path.exists(path):
         return path
     rows = [row for spec in config.data for row in read_rows(spec)]
+    # Held out: --eval-data's rows, or --eval-fraction's share of these (none without it), picked
+    # by a fixed shuffle, the same whatever --seed.
+    held = set(random.Random(0).sample(range(len(rows)), round(config.eval_fraction * len(rows))))
     eval_rows = [row for spec in config.eval_data for row in read_rows(spec)]
-    if config.eval_fraction:
-        # Held out by a fixed shuffle, the same whatever --seed.
-        held = set(
-            random.Random(0).sample(range(len(rows)), round(config.eval_fraction * len(rows)))
-        )
-        eval_rows = [r for i, r in enumerate(rows) if i in held]
-        rows = [r for i, r in enumerate(rows) if i not in held]
+    eval_rows += [r for i, r in enumerate(rows) if i in held]
+    rows = [r for i, r in enumerate(rows) if i not in held]
     train, train_summary = tokenize_rows(rows, tokenizer, config, progress)
     evals, eval_summary = tokenize_rows(eval_rows, tokenizer, config, progress)
     if not len(train):
@@ -913,12 +924,7 @@ def write_atomic(path: str, write) -> str:
 def _fingerprint(spec: str) -> str:
     if spec.startswith("hub:"):
         return f"{spec}:{_load_hub(spec)._fingerprint}"
-    if not os.path.isfile(spec):
-        raise DataError(
-            f"{spec}: no such file (give a .jsonl/.json path, hub:NAME[:split] or demo)"
-        )
-    with open(spec, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+    return hashlib.sha256(_file_bytes(spec)).hexdigest()
 
 
 def load_tokenizer(name: str, chat_template: str | None = None):
@@ -1009,18 +1015,22 @@ def inspect(argv: list[str] | None = None) -> None:
         prompt = tokenizer.decode(row["prompt"])
         # As a row says it: which responses end without EOS (cut short, or by --max-length).
         cut = [ids[-1] != tokenizer.eos_token_id for ids in row["responses"]]
-        shown = {"prompt": prompt}
         if pairs:
-            shown["chosen"], shown["rejected"] = map(tokenizer.decode, row["responses"])
+            shown = {
+                "prompt": prompt,
+                "chosen": tokenizer.decode(row["responses"][0]),
+                "rejected": tokenizer.decode(row["responses"][1]),
+            }
         else:
             # Scores as read, not float32's digits (0.1, not 0.10000000149011612).
-            shown["responses"] = [
-                {"score": float(f"{score:.7g}"), "text": tokenizer.decode(ids)}
-                for ids, score in zip(row["responses"], row["scores"])
-            ]
-        if any(cut):
-            shown["cut"] = cut
-        lines = [shown]
+            shown = {
+                "prompt": prompt,
+                "responses": [
+                    {"score": float(f"{score:.7g}"), "text": tokenizer.decode(ids)}
+                    for ids, score in zip(row["responses"], row["scores"])
+                ],
+            }
+        lines = [shown | ({"cut": cut} if any(cut) else {})]
         if summary["unpaired"]:
             # A line per labelled response, as TRL's unpaired rows are written.
             lines = [

@@ -112,12 +112,13 @@ def demo_pairs(split: str) -> list[dict[str, str]]:
 def demo_unpaired() -> list[dict]:
     """The "train" split's reviews as thumbs up or down, with no pairing: each pair keeps one of its
     two reviews, a coin flip deciding which; praise is labelled true, criticism false."""
+    pairs = demo_pairs("train")
     rng = random.Random("demo-kto")
-    rows = []
-    for pair in demo_pairs("train"):
-        side = rng.choice(("chosen", "rejected"))
-        rows.append({"prompt": pair["prompt"], "completion": pair[side], "label": side == "chosen"})
-    return rows
+    sides = [rng.choice(("chosen", "rejected")) for _ in pairs]
+    return [
+        {"prompt": pair["prompt"], "completion": pair[side], "label": side == "chosen"}
+        for pair, side in zip(pairs, sides)
+    ]
 
 
 def score_completion(text: str) -> int:
@@ -139,10 +140,8 @@ def demo_files(folder: str, write_jsonl) -> dict[str, str]:
     splits = ("train", "eval", "sft", "kto")
     files = {split: os.path.join(folder, f"demo-{split}.jsonl") for split in splits}
     for split, path in files.items():
-        if not os.path.exists(path) and split == "kto":
-            write_jsonl(path, demo_unpaired())
-        elif not os.path.exists(path):
-            write_jsonl(path, demo_pairs(split))
+        if not os.path.exists(path):
+            write_jsonl(path, demo_unpaired() if split == "kto" else demo_pairs(split))
     return files
 
 
@@ -176,11 +175,11 @@ def warm_start(
         [
             *("--model", export, "--lr", "3e-5", "--beta", "0.5", "--eval-every", "16"),
             *("--num-samples", "32", "--sample-temperature", "1"),
+            # demo:kto's reviews share few prompts, a row each: 7 epochs take about the DPO demo's
+            # 64 steps.
+            *(("--epochs", "7") if data == ("demo:kto",) else ()),
         ],
     )
-    if data == ("demo:kto",):
-        # Its reviews share few prompts, a row each: 7 epochs take about the DPO demo's 64 steps.
-        stages.dpo_flags += ["--epochs", "7"]
     if os.path.isdir(export):
         return stages
     stages.sft_flags = [

@@ -48,7 +48,7 @@ Copyable on its own: imports only the standard library and torch. This runs as w
     fp32 = MixedPrecisionPolicy()  # precision.py's, in training
     # Each block sharded, then the root; FSDPConfig: checkpointing, compile, offload, HSDP.
     model = build_sharded(make_model, weights, fp32, device, FSDPConfig())
-    ids = torch.tensor([1, 2, 3, 4])
+    ids = torch.tensor([1, 2, 3, 4], device="cpu")
     model(ids).logsumexp(-1).mean().backward()
     norm = clip_grad_norm_(model, max_norm=1.0)  # the global norm, over every rank's shards
     with inference(model):  # eval, no grad; then the previous mode back, resharded
@@ -67,10 +67,8 @@ Copyable on its own: imports only the standard library and torch. This runs as w
 
 import contextlib
 import functools
-import importlib
 import itertools
 import json
-import math
 import os
 import pickle
 import sys
@@ -96,10 +94,6 @@ from torch.distributed.tensor import DTensor
 _groups = itertools.count(1)
 # Every rank calls on_rank0 in the same order: the n-th call's key in the store.
 _rank0_calls = itertools.count(1)
-# The longest rank-0 phase (a download, tokenizing) the other ranks wait for.
-_RANK0_WAIT = timedelta(hours=24)
-# The HSDP mesh of the current process group, shared by the policy and the reference.
-_meshes = {}
 
 
 @dataclass
@@ -176,7 +170,8 @@ def init_distributed(
     torch.use_deterministic_algorithms(deterministic)
     if fake_world:
         # Registers torch's own "fake" backend, kept with its tests.
-        importlib.import_module("torch.testing._internal.distributed.fake_pg")
+        from torch.testing._internal.distributed import fake_pg  # noqa: F401
+
         dist.init_process_group("fake", rank=0, world_size=fake_world, store=dist.HashStore())
         return 0, fake_world, device
     # Under torchrun: keys of its own in the store, not an earlier group's in this process (main()
@@ -184,18 +179,17 @@ def init_distributed(
     # machine never collide.
     if "RANK" in os.environ:
         store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
-        group = {
-            "store": dist.PrefixStore(f"dpo/{next(_groups)}", store),
-            "rank": rank,
-            "world_size": world,
-            "timeout": timedelta(seconds=timeout_s),
-        }
     else:
-        group = {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+        store, rank, world = dist.HashStore(), 0, 1
     dist.init_process_group(
-        "cpu:gloo,cuda:nccl" if cuda else "gloo", device_id=device if cuda else None, **group
+        "cpu:gloo,cuda:nccl" if cuda else "gloo",
+        store=dist.PrefixStore(f"dpo/{next(_groups)}", store),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=device if cuda else None,
     )
-    return dist.get_rank(), dist.get_world_size(), device
+    return rank, world, device
 
 
 def on_rank0(fn, *args, share: bool = True, per_node: bool = False):
@@ -219,7 +213,8 @@ def on_rank0(fn, *args, share: bool = True, per_node: bool = False):
             raise
         store.set(key, pickle.dumps((result if share else None, None, False)))
         return result
-    store.wait([key], _RANK0_WAIT)
+    # As long as the longest rank-0 phase (a download, tokenizing) may take.
+    store.wait([key], timedelta(hours=24))
     result, error, value_error = pickle.loads(store.get(key))
     if error is not None:
         raise ValueError(error) if value_error else RuntimeError(f"rank 0 failed: {error}")
@@ -261,19 +256,6 @@ def find_block_class(model: nn.Module) -> type[nn.Module]:
     )
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    block_class = find_block_class(model)
-    return [m for m in model.modules() if isinstance(m, block_class)]
-
-
-def apply_ac(model: nn.Module) -> None:
-    """Non-reentrant activation checkpointing on each transformer block, in place (names and
-    state-dict keys unchanged). Apply before apply_fsdp, so the recomputation re-gathers parameters
-    through FSDP's hooks."""
-    for block in _blocks(model):
-        checkpoint(block)
-
-
 def build_sharded(
     make_model,
     weights: dict[str, torch.Tensor] | None,
@@ -282,9 +264,11 @@ def build_sharded(
     config: FSDPConfig,
     frozen: bool = False,
 ) -> nn.Module:
-    """make_model() (parameters on the meta device), checkpointed (unless frozen: a reference) and
-    compiled as `config` asks, sharded (apply_fsdp), each rank's shards read from `weights` (None:
-    left on the meta device, for a memory plan, and not compiled).
+    """make_model() (parameters on the meta device), each transformer block checkpointed
+    (non-reentrant, unless frozen) and compiled as `config` asks, then sharded in place with FSDP2
+    on `device`, then the root with the rest (ties kept); each rank's shards read from `weights`
+    (None: left on the meta device, for a memory plan, and not compiled). frozen: a reference (no
+    gradients, eval mode), always resharded. config.replicas=R > 1: HSDP, an (R, world/R) mesh.
     Never-changing weights (frozen, LoRA's base) get no float32 master."""
     if config.unsharded_grad_accumulation and mp_policy.reduce_dtype == torch.bfloat16:
         raise ValueError(
@@ -297,75 +281,55 @@ def build_sharded(
             "bf16"
         )
     model = make_model()
-    for param in model.parameters():
-        if mp_policy.param_dtype is not None and (frozen or not param.requires_grad):
-            param.data = param.data.to(mp_policy.param_dtype)
-    if config.activation_checkpointing and not frozen:
-        apply_ac(model)
-    # A memory plan's model (no weights) is traced eagerly: Dynamo, meeting a compiled block under
-    # the plan's dispatch mode, would skip that block's code for good, the run's blocks' too.
-    if config.compile and weights is not None:
-        # After checkpointing, to compile the recomputation too; before FSDP, keeping its hooks out
-        # of the graph.
-        for block in _blocks(model):
-            block.compile(dynamic=True)
-    apply_fsdp(
-        model,
-        mp_policy,
-        device,
-        frozen=frozen,
-        reshard_after_forward=config.reshard_after_forward,
-        replicas=config.replicas,
-        offload=config.cpu_offload and not frozen,
-    )
-    # No weights: a memory plan's model, left on the meta device for fake tensors to fill.
-    if weights is not None:
-        load_sharded(model, weights, device, config.cpu_offload and not frozen)
-    return model
-
-
-def apply_fsdp(
-    model: nn.Module,
-    mp_policy: MixedPrecisionPolicy,
-    device: torch.device,
-    frozen: bool = False,
-    reshard_after_forward: bool = True,
-    replicas: int = 1,
-    offload: bool = False,
-) -> nn.Module:
-    """Shard `model` in place with FSDP2 on `device`: each transformer block, then the root with the
-    rest (ties kept). frozen: a reference (no gradients, eval mode), always resharded. replicas=R >
-    1: HSDP, an (R, world/R) mesh."""
-    # An explicit mesh: FSDP2's default takes CUDA whenever a GPU is visible, even for a CPU model.
-    mesh = (
-        init_device_mesh(device.type, (dist.get_world_size(),))
-        if replicas == 1
-        else _hsdp_mesh(device.type, replicas)
-    )
     if frozen:
         model.requires_grad_(False).eval()
-    # Offloaded: shards, gradients and optimizer state on the host, pinned for fast copies to a GPU.
-    policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
-    shard = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": policy}
-    for block in _blocks(model):
-        fully_shard(block, reshard_after_forward=reshard_after_forward or frozen, **shard)
+    for param in model.parameters():
+        if mp_policy.param_dtype is not None and not param.requires_grad:
+            param.data = param.data.to(mp_policy.param_dtype)
+    block_class = find_block_class(model)
+    offload = config.cpu_offload and not frozen
+    shard = {
+        # An explicit mesh: FSDP2's default takes CUDA when a GPU is visible, even for a CPU model.
+        "mesh": (
+            init_device_mesh(device.type, (dist.get_world_size(),))
+            if config.replicas == 1
+            else _hsdp_mesh(dist.group.WORLD, device.type, config.replicas)
+        ),
+        "mp_policy": mp_policy,
+        # Offloaded: shards, gradients and optimizer state on the host, pinned for fast GPU copies.
+        "offload_policy": (
+            CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+        ),
+    }
+    for block in [m for m in model.modules() if isinstance(m, block_class)]:
+        # Checkpointed before sharding, so that the recomputation re-gathers parameters through
+        # FSDP's hooks.
+        if config.activation_checkpointing and not frozen:
+            checkpoint(block)
+        # A memory plan's model (no weights) is traced eagerly: Dynamo, meeting a compiled block
+        # under the plan's dispatch mode, would skip that block's code for good, the run's blocks'
+        # too. After checkpointing, to compile the recomputation too; before FSDP, keeping its
+        # hooks out of the graph.
+        if config.compile and weights is not None:
+            block.compile(dynamic=True)
+        fully_shard(block, reshard_after_forward=config.reshard_after_forward or frozen, **shard)
     # A trained root stays gathered after forward (FSDP2's default), as backward needs it at once.
     fully_shard(model, reshard_after_forward=True if frozen else None, **shard)
+    # No weights: a memory plan's model, left on the meta device for fake tensors to fill.
+    if weights is not None:
+        load_sharded(model, weights, device, offload)
     return model
 
 
-def _hsdp_mesh(device_type: str, replicas: int):
-    """One mesh per process group, shared by the policy and the reference: each subgroup costs
-    communicators."""
-    key = (dist.group.WORLD, device_type, replicas)
-    if key not in _meshes:
-        _meshes.clear()
-        _meshes[key] = init_device_mesh(
-            device_type,
-            (replicas, dist.get_world_size() // replicas),
-            mesh_dim_names=("replicate", "shard"),
-        )
-    return _meshes[key]
+@functools.lru_cache(maxsize=1)
+def _hsdp_mesh(world: dist.ProcessGroup, device_type: str, replicas: int):
+    """One mesh per process group (`world`, the cache's key with the rest), shared by the policy
+    and the reference: each subgroup costs communicators."""
+    return init_device_mesh(
+        device_type,
+        (replicas, dist.get_world_size() // replicas),
+        mesh_dim_names=("replicate", "shard"),
+    )
 
 
 @contextlib.contextmanager
@@ -383,6 +347,7 @@ def inference(model: nn.Module):
         model.reshard()
 
 
+@torch.no_grad()
 def load_sharded(
     model: nn.Module, weights: dict[str, torch.Tensor], device: torch.device, offload: bool = False
 ):
@@ -400,20 +365,18 @@ def load_sharded(
     for name, buf in model.named_buffers():
         if name in weights and name in persistent:
             buf.copy_(weights[name][:])
-    with torch.no_grad():
-        # A tied weight comes once, under its first name.
-        for name, param in model.named_parameters():
-            full = weights.get(name)
-            if full is None or full.shape != param.shape:
-                found = "missing" if full is None else f"of shape {list(full.shape)}"
-                raise ValueError(
-                    f"--model: its weight {name} of shape {list(param.shape)} is {found} in its "
-                    "files"
-                )
-            local = param.to_local() if isinstance(param, DTensor) else param
-            # A rank that holds no rows of this weight (more ranks than experts) reads nothing.
-            if local.numel():
-                local.copy_(full[_local_rows(param)])
+    # A tied weight comes once, under its first name.
+    for name, param in model.named_parameters():
+        full = weights.get(name)
+        if full is None or full.shape != param.shape:
+            found = "missing" if full is None else f"of shape {list(full.shape)}"
+            raise ValueError(
+                f"--model: its weight {name} of shape {list(param.shape)} is {found} in its files"
+            )
+        local = param.to_local() if isinstance(param, DTensor) else param
+        # A rank that holds no rows of this weight (more ranks than experts) reads nothing.
+        if local.numel():
+            local.copy_(full[_local_rows(param)])
 
 
 def _local_rows(param: torch.Tensor) -> slice:
@@ -452,15 +415,15 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Scale the gradients of `model` (sharded or not) to a global norm of at most max_norm (0: no
     clipping). Returns the global norm before clipping over every rank's shards, a () tensor on the
     device."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or torch.inf)
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 @torch.no_grad()
 def mix_into(target: nn.Module, source: nn.Module, alpha: float) -> None:
     """target = alpha source + (1 - alpha) target, each rank on its own shards of two models sharded
-    alike, in target's dtype (TR-DPO's reference sync; as TRL: target.mul_(1 - alpha).add_(source,
-    alpha=alpha))."""
+    alike (build_sharded), in target's dtype (TR-DPO's reference sync; as TRL:
+    target.mul_(1 - alpha).add_(source, alpha=alpha))."""
     for (name, mine), (other, theirs) in zip(
         target.named_parameters(), source.named_parameters(), strict=True
     ):
@@ -468,10 +431,9 @@ def mix_into(target: nn.Module, source: nn.Module, alpha: float) -> None:
             raise ValueError(
                 f"mix_into: {name} meets {other}: the two models must have the same parameters"
             )
-        local = mine.to_local() if isinstance(mine, DTensor) else mine
-        source_local = theirs.to_local() if isinstance(theirs, DTensor) else theirs
+        local = mine.to_local()
         # An offloaded source's shards come from the host.
-        local.mul_(1 - alpha).add_(source_local.to(local.device), alpha=alpha)
+        local.mul_(1 - alpha).add_(theirs.to_local().to(local.device), alpha=alpha)
 
 
 def _full_tensor(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -303,8 +303,7 @@ def generate_rows(
     t0 = time.perf_counter()
     # Every rank runs as many batches, since each forward is a collective: a rank past the end
     # repeats the first batch and drops its rows.
-    for turn in range(-(-len(starts) // world)):
-        b = turn * world + rank
+    for b in range(rank, -(-len(starts) // world) * world, world):
         first = starts[b] if b < len(starts) else 0
         batch = prompts[first : first + config.batch_size]
         completions = generate(
@@ -323,31 +322,39 @@ def generate_rows(
         texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
         # Cut short: the trainer appends no EOS to these, and --missing-eos-penalty lowers them.
         cut = [c[-1] != tokenizer.eos_token_id for c in completions]
-        scores = _checked_scores(score([p for p in batch for _ in range(k)], texts), config.reward)
+        scores = [float(s) for s in score([p for p in batch for _ in range(k)], texts)]
+        bad = [s for s in scores if not math.isfinite(s)]
+        if bad:
+            raise ValueError(f"--reward {config.reward}: gave {bad[0]}, not a finite score")
         if b < len(starts):
             tokens += sum(map(len, completions))
             rows += [
-                {
-                    "index": first + i,
-                    "prompt": prompt,
-                    "responses": [_response(prompt, t) for t in texts[i * k : (i + 1) * k]],
-                    "scores": scores[i * k : (i + 1) * k],
-                    "cut": cut[i * k : (i + 1) * k],
-                }
+                (
+                    first + i,
+                    {
+                        "prompt": prompt,
+                        # Text after a text prompt, an assistant turn after messages.
+                        "responses": [
+                            [{"role": "assistant", "content": t}] if isinstance(prompt, list) else t
+                            for t in texts[i * k : (i + 1) * k]
+                        ],
+                        "scores": scores[i * k : (i + 1) * k],
+                        "cut": cut[i * k : (i + 1) * k],
+                    },
+                )
                 for i, prompt in enumerate(batch)
             ]
         if rank == 0:
-            done = min((turn + 1) * world * config.batch_size, len(prompts))
+            done = min((b + world) * config.batch_size, len(prompts))
             rate = tokens * world / (time.perf_counter() - t0)
             print(f"generate: {done}/{len(prompts)} prompts, {rate:.0f} tokens/s", flush=True)
     gathered = [None] * world if rank == 0 else None
     dist.gather_object((rows, tokens), gathered)
     if rank:
         return [], 0
-    rows = sorted((row for part, _ in gathered for row in part), key=lambda row: row["index"])
-    return [{k: v for k, v in row.items() if k != "index"} for row in rows], sum(
-        n for _, n in gathered
-    )
+    # (index, row) pairs: in the prompts' order by their index, which is unique.
+    ordered = sorted(pair for part, _ in gathered for pair in part)
+    return [row for _, row in ordered], sum(n for _, n in gathered)
 
 
 def _prompt_ids(prompt, tokenizer, where: str) -> list[int]:
@@ -367,20 +374,6 @@ def _prompt_ids(prompt, tokenizer, where: str) -> list[int]:
         (full[:i] for i in range(len(full) - len(ids) + 1) if full[i : i + len(ids)] == ids), []
     )
     return ids if ids[: len(prefix)] == prefix else prefix + ids
-
-
-def _response(prompt, text: str):
-    """A completion as the rows hold it: text after a text prompt, an assistant turn after
-    messages."""
-    return [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
-
-
-def _checked_scores(scores, reward: str) -> list[float]:
-    scores = [float(s) for s in scores]
-    bad = next((s for s in scores if not math.isfinite(s)), None)
-    if bad is not None:
-        raise ValueError(f"--reward {reward}: gave {bad}, not a finite score")
-    return scores
 
 
 def read_prompts(spec: str) -> list:
@@ -471,28 +464,24 @@ def _reward_model(name: str, device: torch.device, dtype: torch.dtype):
 
     @torch.no_grad()
     def score(prompts: list, completions: list[str]) -> list:
-        if getattr(tokenizer, "chat_template", None):
-            texts = [
-                tokenizer.apply_chat_template(
-                    _messages(p) + [{"role": "assistant", "content": c}], tokenize=False
-                )
-                for p, c in zip(prompts, completions)
-            ]
-            batch = tokenizer(texts, padding=True, add_special_tokens=False, return_tensors="pt")
+        # Each conversation as messages, a text prompt as the user's turn.
+        chats = [
+            (p if isinstance(p, list) else [{"role": "user", "content": p}])
+            + [{"role": "assistant", "content": c}]
+            for p, c in zip(prompts, completions)
+        ]
+        if tokenizer.chat_template:
+            texts = [tokenizer.apply_chat_template(chat, tokenize=False) for chat in chats]
         else:
-            texts = [_text(p) + c for p, c in zip(prompts, completions)]
-            batch = tokenizer(texts, padding=True, return_tensors="pt")
+            # Prompt + completion: the messages' contents, one after another.
+            texts = ["".join(m["content"] for m in chat) for chat in chats]
+        # The template writes its own special tokens.
+        batch = tokenizer(
+            texts, padding=True, add_special_tokens=not tokenizer.chat_template, return_tensors="pt"
+        )
         return model(**batch.to(device)).logits[:, 0].float().tolist()
 
     return score
-
-
-def _messages(prompt) -> list[dict]:
-    return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-
-
-def _text(prompt) -> str:
-    return prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
 
 
 def _shard(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -634,9 +623,10 @@ def main(argv: list[str] | None = None) -> None:
 def parse_flags(config_class, argv: list[str] | None, *markers):
     """`config_class` from the command line by tyro (imported here, so that the rest needs only
     torch and transformers), `markers` from tyro.conf on all of it; train_dpo.py's flags too. Its
-    --help flows each flag's text (_flowing_help); a parse error is one ValueError line naming the
-    flag (_one_line), for main() to print (exit 2), not tyro's box. Both through tyro's public API:
-    a constructor registry's rule, and what tyro writes to stderr before it exits."""
+    --help flows each flag's text (_flowing_help); a parse error is one ValueError line, tyro's
+    words naming the flag where they do (_one_line), for main() to print (exit 2), not tyro's box.
+    Both through tyro's public API: a constructor registry's rule, and what tyro writes to stderr
+    before it exits."""
     import tyro
 
     registry = tyro.constructors.ConstructorRegistry()
@@ -668,13 +658,17 @@ def _flowing_help(info):
     )
     flowing = []
     for field_ in spec.fields:
-        # Read when shown: a class that runpy ran has no source file for tyro to read otherwise.
-        field_ = replace(field_, helptext=functools.partial(_flowing, field_.helptext))
-        if field_.default is None:
-            field_ = replace(
-                field_, type=Annotated[field_.type, tyro.conf.arg(help_behavior_hint="")]
+        # No "(default: None)", as the text says what decides it; None keeps tyro's hint.
+        hint = tyro.conf.arg(help_behavior_hint="" if field_.default is None else None)
+        flowing.append(
+            replace(
+                field_,
+                # Read when shown: a class that runpy ran has no source file for tyro to read
+                # otherwise.
+                helptext=functools.partial(_flowing, field_.helptext),
+                type=Annotated[field_.type, hint],
             )
-        flowing.append(field_)
+        )
     return replace(spec, fields=tuple(flowing))
 
 
@@ -685,13 +679,14 @@ def _flowing(helptext) -> str | None:
 
 
 def _one_line(said: str) -> str:
-    """The first paragraph of what tyro said of a parse error (a box: a title, paragraphs between
-    rules, the --help hint) on one line, in tyro's words, which name the flag where they can; a
-    config's own check without tyro's "Error parsing Config: " before it."""
-    # Colours (on a terminal) and the box's sides out, then its title.
+    """The first paragraph of what tyro said of a parse error (a title, paragraphs between rules,
+    the --help hint; in a box on a terminal) on one line, in tyro's words, which name the flag
+    where they can; a config's own check without tyro's "Error parsing Config: " before it."""
+    # Colours (on a terminal) and the box's sides out, then the title.
     text = re.sub(r"\x1b\[[0-9;]*m|[│╭╮╰╯]", "", said).partition("\n")[2]
-    # A blank row or a rule (of ─ or -) ends the paragraph.
-    first = " ".join(re.split(r"\n[\s─-]*\n", text)[0].split())
+    # Rows that are blank or a rule (of ─ or -) end paragraphs: the first with words.
+    paragraphs = re.split(r"^[ ─-]*$", text, flags=re.MULTILINE)
+    first = next((" ".join(p.split()) for p in paragraphs if p.strip()), said)
     return re.sub(r"^Error parsing (?:(--\S+: )|\S+: )", r"\1", first)
 
 

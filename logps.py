@@ -17,12 +17,14 @@ This runs as written:
     from logps import ScoredHead, fused_head, sequence_logps
 
     logits = torch.randn(2, 5, 32)
-    labels = torch.tensor([[-100, -100, 3, 4, 5], [-100, 7, 8, -100, -100]])
+    labels = torch.tensor([[-100, -100, 3, 4, 5], [-100, 7, 8, -100, -100]], device="cpu")
     print(sequence_logps(logits, labels))  # (2,): tokens 3, 4, 5 and 7, 8
     head = ScoredHead(torch.nn.Linear(8, 32, bias=False), fusable=True)
     hidden = torch.randn(2, 5, 8)  # (B, T, H)
     # The states at flat positions 1, 2, 3 predict tokens 3, 4, 5: (3,) log-probs, no logits.
-    with fused_head(), head.scoring(torch.tensor([1, 2, 3]), torch.tensor([3, 4, 5])) as scored:
+    index = torch.tensor([1, 2, 3], device="cpu")
+    targets = torch.tensor([3, 4, 5], device="cpu")
+    with fused_head(), head.scoring(index, targets) as scored:
         head(hidden)
     print(scored.logps)
 """

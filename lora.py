@@ -113,25 +113,20 @@ def add_adapters(
             raise ValueError(
                 f"--lora-targets {' '.join(targets)}: {str(e).splitlines()[0]}"
             ) from None
-        for module in model.modules():
+        if isinstance(model.get_output_embeddings(), peft.tuners.lora.LoraLayer):
+            raise ValueError("--lora-targets: the output layer takes no adapters here")
+        for name, module in model.named_modules():
             if isinstance(module, peft.tuners.lora.LoraLayer):
+                # merged_entries folds linear layers' adapters only: refused now, not at export.
+                if config.export_merged and not isinstance(module, peft.tuners.lora.Linear):
+                    raise ValueError(
+                        "--export-merged merges adapters on linear layers only; "
+                        f"{name.removeprefix('base_model.model.')} is a {type(module).__name__}"
+                    )
                 # peft made the adapters on the base's device (meta): made anew here, on the CPU.
-                for name in module.adapter_layer_names:
-                    getattr(module, name).to_empty(device="cpu")
+                for layer in module.adapter_layer_names:
+                    getattr(module, layer).to_empty(device="cpu")
                 module.reset_lora_parameters("default", True)
-    if isinstance(model.get_output_embeddings(), peft.tuners.lora.LoraLayer):
-        raise ValueError("--lora-targets: the output layer takes no adapters here")
-    # merged_entries folds adapters into linear layers only: refused now, not at the export.
-    for name, module in model.named_modules():
-        if (
-            config.export_merged
-            and isinstance(module, peft.tuners.lora.LoraLayer)
-            and not isinstance(module, peft.tuners.lora.Linear)
-        ):
-            raise ValueError(
-                "--export-merged merges adapters on linear layers only; "
-                f"{name.removeprefix('base_model.model.')} is a {type(module).__name__}"
-            )
     return model
 
 
@@ -213,19 +208,20 @@ def merged_entries(model: nn.Module, entries: list) -> list:
         if isinstance(module, peft.tuners.lora.Linear)
     }
     # Each adapted weight's fetch merges its adapters in; every other fetch is the entry's own.
-    merged = [
-        (
-            name,
-            tensor,
-            functools.partial(
-                _merged_weight, layers[name], name.removesuffix(".base_layer.weight"), fetches
+    return base_entries(
+        [
+            (
+                name,
+                tensor,
+                functools.partial(
+                    _merged_weight, layers[name], name.removesuffix(".base_layer.weight"), fetches
+                )
+                if name in layers
+                else fetch,
             )
-            if name in layers
-            else fetch,
-        )
-        for name, tensor, fetch in entries
-    ]
-    return base_entries(merged)
+            for name, tensor, fetch in entries
+        ]
+    )
 
 
 def base_entries(entries: list) -> list:

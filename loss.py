@@ -164,7 +164,8 @@ _GOES_WITH = {
     "use_weighting": (
         _MIXABLE - {"aot", "aot_pair"},
         _PAIRS,
-        "aot and aot_pair sort pairs across the batch, so weights would not meet their own pair",
+        "WPO weighs pairs; aot and aot_pair sort pairs across the batch, so weights would not "
+        "meet their own pair",
     ),
     "label_smoothing": (_MIXABLE, _PAIRS, "it acts on pairs"),
     "f_divergence_type": (_F_DIVERGENCE, "a reference", "the others have no f-DPO form, as in TRL"),
@@ -286,9 +287,11 @@ class LossConfig:
                 f"--loss-weights: {len(self.loss_weights)} weights for {len(self.loss)} --loss"
             )
         for name, (low, high, said) in _RANGES.items():
-            for value in _values(getattr(self, name)):
-                if not (math.isfinite(value) and low <= value <= high):
-                    raise ValueError(f"--{_flag(name)} must be {said}, got {value}")
+            # A number, a tuple of them (--loss-weights), or None (--ld-alpha: none).
+            given = getattr(self, name)
+            for value in given if isinstance(given, tuple) else (given,):
+                if value is not None and not (math.isfinite(value) and low <= value <= high):
+                    raise ValueError(f"--{name.replace('_', '-')} must be {said}, got {value}")
         losses = " ".join(self.loss)
         if len(self.loss) > 1 and set(self.loss) - _MIXABLE:
             raise ValueError(
@@ -297,7 +300,8 @@ class LossConfig:
             )
         if self.ref == "none" and set(self.loss) - _MIXABLE:
             raise ValueError(
-                f"--ref none: --loss {losses} needs a reference (orpo has none to drop)"
+                f"--ref none: --loss {losses} does not take it (a listwise or unpaired loss needs "
+                "a reference; orpo has none to drop)"
             )
         has = {
             _PAIRS: self.pairwise,
@@ -307,17 +311,16 @@ class LossConfig:
         }
         defaults = {f.name: f.default for f in fields(self)}
         for name, (losses_ok, needs, why) in _GOES_WITH.items():
+            flag = "--" + name.replace("_", "-")
             if getattr(self, name) == defaults[name]:
                 continue
             if not set(self.loss) <= losses_ok:
                 raise ValueError(
-                    f"--{_flag(name)} goes only with --loss {', '.join(sorted(losses_ok))} "
-                    f"({why}), got --loss {losses}"
+                    f"{flag} goes only with --loss {', '.join(sorted(losses_ok))} ({why}), got "
+                    f"--loss {losses}"
                 )
             if not has[needs]:
-                raise ValueError(
-                    f"--{_flag(name)} needs {needs}: got --loss {losses} --ref {self.ref}"
-                )
+                raise ValueError(f"{flag} needs {needs}: got --loss {losses} --ref {self.ref}")
 
     @property
     def reference_free(self) -> bool:
@@ -331,30 +334,19 @@ class LossConfig:
 
     @property
     def listwise(self) -> bool:
-        """True for a loss of all of a prompt's responses at once (row_loss): its unit is the row,
+        """True for a loss of all of a prompt's responses at once (row_losses): its unit is the row,
         not the pair."""
         return bool(set(self.loss) & _LISTWISE)
 
     @property
     def unpaired(self) -> bool:
-        """True for a loss of each response alone by its label (unpaired_loss): its unit is the
+        """True for a loss of each response alone by its label (response_losses): its unit is the
         response."""
         return bool(set(self.loss) & _UNPAIRED)
 
     def averages(self, loss_type: str) -> bool:
         """True when `loss_type` takes per-token mean log-probs instead of sums."""
         return loss_type in _AVERAGED or (loss_type == "ipo" and self.ipo_logps == "mean")
-
-
-def _values(value) -> tuple:
-    """An option's numbers: a tuple's own, a number as one, None as none."""
-    if value is None:
-        return ()
-    return tuple(value) if isinstance(value, tuple) else (value,)
-
-
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
 
 
 def flag_defaults() -> LossConfig:
@@ -453,7 +445,7 @@ def pair_losses(
             policy, reference = _pair_inputs(objective, loss_type, scores, ref_scores, lengths)
             part, _, _ = preference_loss(
                 *policy.chunk(2),
-                *_halves(reference),
+                *((None, None) if reference is None else reference.chunk(2)),
                 loss_type=loss_type,
                 beta=objective.beta,
                 label_smoothing=objective.label_smoothing,
@@ -560,13 +552,6 @@ def _pair_inputs(objective: LossConfig, loss_type: str, scores, ref_scores, leng
     return policy, ref_scores / per_token
 
 
-def _halves(values: torch.Tensor | None) -> tuple:
-    """(chosen, rejected) of (2P,) values; (None, None) for None."""
-    if values is None:
-        return None, None
-    return values.chunk(2)
-
-
 def _rewards(beta: float, policy: torch.Tensor, reference: torch.Tensor | None) -> torch.Tensor:
     """(2P,) float32 implicit rewards beta (policy - reference), None as 0; no gradient."""
     if reference is None:
@@ -601,16 +586,21 @@ def preference_loss(
     h = c - r
     z = beta * h
     eps = label_smoothing
-    if loss_type in ("dpo", "sigmoid", "dpo_norm"):
-        losses = _dpo(z, eps)
+    # simpo, aot and aot_pair are dpo's formula on a margin of their own.
+    if loss_type == "simpo":
+        z = beta * (pc - pr) - simpo_gamma
+    elif loss_type == "aot":
+        z = beta * ((pc - pr).sort().values - (rc - rr).sort().values)
+    elif loss_type == "aot_pair":
+        z = beta * (c.sort().values - r.sort().values)
+    if loss_type in ("dpo", "sigmoid", "dpo_norm", "simpo", "aot", "aot_pair"):
+        losses = -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
     elif loss_type == "ipo":
         losses = (h - 1 / (2 * beta)) ** 2
     elif loss_type == "hinge":
         losses = torch.relu(1 - z)
     elif loss_type == "robust":
         losses = (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
-    elif loss_type == "simpo":
-        losses = _dpo(beta * (pc - pr) - simpo_gamma, eps)
     elif loss_type == "exo_pair":
         e = eps or 1e-3  # EXO's epsilon: 1e-3 unless --label-smoothing gives one
         losses = z.sigmoid() * (F.logsigmoid(z) - math.log(1 - e)) + (-z).sigmoid() * (
@@ -633,10 +623,6 @@ def preference_loss(
         losses = torch.sigmoid(-z / discopop_tau) * -F.logsigmoid(z) + torch.exp(
             F.logsigmoid(z / discopop_tau) - z
         )
-    elif loss_type == "aot":
-        losses = _dpo(beta * ((pc - pr).sort().values - (rc - rr).sort().values), eps)
-    elif loss_type == "aot_pair":
-        losses = _dpo(beta * (c.sort().values - r.sort().values), eps)
     elif loss_type == "orpo":
         # The log odds log(p / (1 - p)) of the mean per-token probability p.
         losses = -beta * F.logsigmoid((pc - _log1mexp(pc)) - (pr - _log1mexp(pr)))
@@ -743,7 +729,3 @@ def _f_prime(log_ratio: torch.Tensor, kind: str, alpha: float) -> torch.Tensor:
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     """log(1 - e^x) for x <= 0, each way where it keeps its digits (as TRL's ORPO)."""
     return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
-
-
-def _dpo(z: torch.Tensor, eps: float) -> torch.Tensor:
-    return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)

@@ -47,7 +47,6 @@ import os
 import sys
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -74,8 +73,8 @@ TOLERANCE = 0.1
 WORKSPACE_GB = 0.1
 # Where FSDP2's code lives: storages made or resized there are its gathered blocks and reductions.
 # Each a folder's path with its separator: torch's is not a prefix of torchvision's.
-_FSDP_DIR = os.path.join(str(Path(fsdp.__file__).parent), "")
-_TORCH_DIR = os.path.join(str(Path(torch.__file__).parent), "")
+_FSDP_DIR = os.path.join(os.path.dirname(fsdp.__file__), "")
+_TORCH_DIR = os.path.join(os.path.dirname(torch.__file__), "")
 _FSDP_PART = "gathered blocks and reductions (FSDP2)"
 MOMENTS = "AdamW's moments and steps"
 
@@ -211,9 +210,7 @@ def plan_memory(
             plan.host = {k: state.pop(k) / GB for k in list(state) if k != "reference"}
         trainable = [p for p in policy.parameters() if p.requires_grad]
         for size, batch in rows.items():
-            syncs = [True]
-            if size < per_rank and unsharded_accumulation:
-                syncs = [False, True]
+            syncs = [False, True] if size < per_rank and unsharded_accumulation else [True]
             with fake, _Trace(parts_from or {}) as trace, _one_sequence_per_row():
                 for sync in syncs:
                     policy.set_requires_gradient_sync(sync)
@@ -229,6 +226,7 @@ def plan_memory(
                     trace.ids.get(_key(_local(p.grad))) for p in trainable if p.grad is not None
                 }
                 policy.zero_grad(set_to_none=True)
+            # Sharded accumulation holds every gradient through a step of several micro-batches.
             held = size < per_rank and not unsharded_accumulation
             parts = {**state, **trace.peak(grads, held, offload)}
             plan.parts[size] = {k: v / GB for k, v in parts.items()}
@@ -251,20 +249,18 @@ def _one_sequence_per_row():
     repeated, where training takes the causal one with no mask. Found in sys.modules, not
     imported: a transformers model has imported it, and this file needs no transformers."""
     masking = sys.modules.get("transformers.masking_utils")
-    if masking is None:
-        yield
-        return
-    real = masking.find_packed_sequence_indices
-    masking.find_packed_sequence_indices = _no_packed_sequences
+    found = getattr(masking, "find_packed_sequence_indices", None)
+    if masking:
+        masking.find_packed_sequence_indices = _no_packed_sequences
     try:
         yield
     finally:
-        masking.find_packed_sequence_indices = real
+        if masking:
+            masking.find_packed_sequence_indices = found
 
 
 def _no_packed_sequences(position_ids: torch.Tensor) -> None:
     """transformers' find_packed_sequence_indices on rows of one sequence each: None."""
-    return None
 
 
 def _unpin(model: nn.Module) -> None:
@@ -279,22 +275,15 @@ def _unpin(model: nn.Module) -> None:
 
 def choose(plan: Plan, config: PlanConfig, device: torch.device, micro) -> tuple[int, str]:
     """(the micro-batch size, the plan as a table): `micro`, or for "auto" the largest that fits
-    the card (card_memory_gb)."""
-    card = card_memory_gb(config, device)
+    the card. The card's memory: --gpu-memory, else the GPU of `device`'s; none on a CPU without
+    --gpu-memory."""
+    card = config.gpu_memory
+    if card is None and device.type == "cuda":
+        card = torch.cuda.get_device_properties(device).total_memory / GB
     if micro == "auto":
         micro = largest_fitting(plan, card)
     title = f"memory plan for each GPU, of {dist.get_world_size()}:"
     return micro, format_plan(plan, card, micro, title)
-
-
-def card_memory_gb(config: PlanConfig, device: torch.device) -> float | None:
-    """One GPU's memory in GB: --gpu-memory, else the GPU of `device`'s; None on a CPU without
-    --gpu-memory."""
-    if config.gpu_memory is not None:
-        return config.gpu_memory
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory / GB
-    return None
 
 
 def fits(peak_gb: float, card_gb: float | None) -> bool:
@@ -324,10 +313,10 @@ def largest_fitting(plan: Plan, card_gb: float | None) -> int:
 def format_plan(plan: Plan, card_gb: float | None, size: int, title: str) -> str:
     """The plan as a table: micro-batch `size`'s parts and peak (and the card's memory), then each
     size's peak and, with a card, whether it fits; under `title`."""
-    lines = [title]
-    for part, gb in plan.parts[size].items():
-        lines.append(f"  {part:<44} {gb:9.3f} GB")
-    lines += [f"  {part + ', in host memory':<44} {gb:9.3f} GB" for part, gb in plan.host.items()]
+    host = {f"{part}, in host memory": gb for part, gb in plan.host.items()}
+    lines = [title] + [
+        f"  {part:<44} {gb:9.3f} GB" for part, gb in {**plan.parts[size], **host}.items()
+    ]
     card = "(no card: --gpu-memory GB tells which sizes fit)"
     if card_gb is not None:
         card = f"of a {card_gb:.1f} GB card, {FITS:.0%} usable, {RESERVED_GB:g} GB reserved"
@@ -396,20 +385,16 @@ def _state_parts(policy: nn.Module, reference: nn.Module | None) -> dict[str, in
     each weight trained, and its step count (a float32 per weight, on the device with the fused
     AdamW)."""
     parts = {"weights trained (float32 masters)": 0, "frozen weights": 0, "reference": 0}
-    seen = set()
-    models = [("weights trained (float32 masters)", policy)]
-    if reference is not None:
-        models.append(("reference", reference))
-    for part, model in models:
-        for param in model.parameters():
-            local = _local(param)
-            if _key(local) in seen:
-                continue
-            seen.add(_key(local))
-            name = part
-            if part != "reference" and not param.requires_grad:
-                name = "frozen weights"
-            parts[name] += local.untyped_storage().nbytes()
+    # Storage key -> (part, shard): each storage once, as the policy's where the reference shares
+    # it (LoRA's base).
+    storages = {}
+    for param in policy.parameters():
+        part = "weights trained (float32 masters)" if param.requires_grad else "frozen weights"
+        storages[_key(_local(param))] = (part, _local(param))
+    for param in reference.parameters() if reference is not None else []:
+        storages.setdefault(_key(_local(param)), ("reference", _local(param)))
+    for part, local in storages.values():
+        parts[part] += local.untyped_storage().nbytes()
     trainable = [_local(p) for p in policy.parameters() if p.requires_grad]
     parts[MOMENTS] = sum(8 * t.numel() + 4 for t in trainable)
     return {k: v for k, v in parts.items() if v}
@@ -460,28 +445,22 @@ class _Trace(TorchDispatchMode):
         self.parts_from = parts_from
         # (storage id, change in bytes, part: None where a storage goes) in order.
         self.events = []
-        # The storages seen and alive: key (address) -> id, and id -> bytes.
+        # Key (address) -> id of each storage alive, and id -> bytes of each storage seen.
         self.ids = {}
         self._bytes = {}
-        self._resize = None
-        self._on = False
+        self._resize = torch.UntypedStorage.resize_
 
     def __enter__(self):
-        self._resize = torch.UntypedStorage.resize_
-        self._on = True
-        trace = self
-
         # FSDP2 frees and refills storages in place, which no dispatch mode sees.
         def resize_(storage, size):
-            trace._resize(storage, size)
-            trace._record(storage)
+            self._resize(storage, size)
+            self._record(storage)
 
         torch.UntypedStorage.resize_ = resize_
         return super().__enter__()
 
     def __exit__(self, *args):
         torch.UntypedStorage.resize_ = self._resize
-        self._on = False
         return super().__exit__(*args)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -513,9 +492,9 @@ class _Trace(TorchDispatchMode):
             self._bytes[storage_id] = size
 
     def _drop(self, key: int, storage_id: int) -> None:
-        if self._on and self._bytes[storage_id]:
+        # One that goes after the trace has ended goes after its peak too: no part at it changes.
+        if self._bytes[storage_id]:
             self.events.append((storage_id, -self._bytes[storage_id], None))
-        self._bytes[storage_id] = 0
         if self.ids.get(key) == storage_id:
             del self.ids[key]
 
@@ -543,36 +522,22 @@ class _Trace(TorchDispatchMode):
         for storage_id, change, _ in self.events:
             if storage_id in sizes:
                 sizes[storage_id] = max(sizes[storage_id], change)
-        kept = 0
-        if held and not offload:
-            kept = sum(sizes.values())
-        now = best = kept
-        end = made = 0
-        for n, (storage_id, change, _) in enumerate(self.events):
-            grad = storage_id in sizes
-            if grad and (offload or (held and change < 0)):
-                continue
-            now += change
-            if now > best:
-                best, end = now, n + 1
-                # A reduction's result made at the peak, to be added into its held gradient.
-                made = change if grad and held else 0
-            if grad and held:
-                now -= change
-        # What is alive at the peak, by the part it was made as; gradients as counted above.
-        live = {}
-        for storage_id, change, part in self.events[:end]:
-            size, made_as = live.get(storage_id, (0, part))
-            live[storage_id] = (size + change, made_as)
-        parts = {_FSDP_PART: made, "gradients": kept}
-        for storage_id, (size, made_as) in live.items():
-            if storage_id in sizes and not held and not offload:
-                parts["gradients"] += size
-            elif storage_id not in sizes:
-                parts[made_as] = parts.get(made_as, 0) + size
-        if sum(parts.values()) != best:
-            raise RuntimeError(
-                f"the memory plan's parts add up to {sum(parts.values())} bytes, not to its peak's "
-                f"{best}: a storage it did not follow"
-            )
-        return {k: v for k, v in parts.items() if v}
+        kept = sum(sizes.values()) if held and not offload else 0
+        # Bytes alive by the part each storage was made as: now, and at the peak of their sum.
+        now = {_FSDP_PART: 0, "gradients": kept}
+        best = dict(now)
+        made_as = {}
+        for storage_id, change, part in self.events:
+            if storage_id in sizes:
+                if offload or (held and change < 0):
+                    continue
+                # Held, a gradient made here is a reduction's result, added into its held
+                # gradient and freed at once.
+                part = _FSDP_PART if held else "gradients"
+            part = made_as.setdefault(storage_id, part)
+            now[part] = now.get(part, 0) + change
+            if sum(now.values()) > sum(best.values()):
+                best = dict(now)
+            if storage_id in sizes and held:
+                now[part] -= change
+        return {k: v for k, v in best.items() if v}

@@ -8,6 +8,7 @@ evaluation, checkpoints, export).
 """
 
 import json
+import math
 import os
 import sys
 import time
@@ -119,32 +120,36 @@ class Config:
             self.lr = 1e-3
         elif self.lr is None:
             self.lr = 5e-6 if self.lora.lora_rank else 5e-7
-        if not 0 <= self.lr < float("inf"):
-            raise ValueError(f"--lr must be a finite number >= 0, got {self.lr}")
-        if not 0 <= self.seed < 2**63:
-            raise ValueError(f"--seed must be in [0, 2^63), got {self.seed}")
-        if not 0 <= self.weight_decay < float("inf"):
-            raise ValueError(
-                f"--weight-decay must be a finite number >= 0, got {self.weight_decay}"
-            )
-        if self.lora.lora_rank and self.objective.sync_ref_model:
-            raise ValueError(
+        # What must hold, and what is said where it does not.
+        checks = [
+            (0 <= self.lr < math.inf, f"--lr must be a finite number >= 0, got {self.lr}"),
+            (0 <= self.seed < 2**63, f"--seed must be in [0, 2^63), got {self.seed}"),
+            (
+                0 <= self.weight_decay < math.inf,
+                f"--weight-decay must be a finite number >= 0, got {self.weight_decay}",
+            ),
+            (
+                not (self.lora.lora_rank and self.objective.sync_ref_model),
                 "--sync-ref-model: with --lora-rank the reference is the base model, which never "
-                "changes"
-            )
-        # The offloaded state is in host memory already: a background save would stage a second
-        # host copy of all of it (pinned, on GPUs).
-        if self.checkpoints.async_save and self.fsdp.cpu_offload:
-            raise ValueError(
+                "changes",
+            ),
+            # The offloaded state is in host memory already: a background save would stage a
+            # second host copy of all of it (pinned, on GPUs).
+            (
+                not (self.checkpoints.async_save and self.fsdp.cpu_offload),
                 "--async-save with --cpu-offload would copy the whole host-resident state again: "
-                "save in the foreground (drop --async-save)"
-            )
-        # Without --dropout the policy trains in eval mode, where no dropout runs.
-        if self.lora.lora_dropout and not self.dropout:
-            raise ValueError(
+                "save in the foreground (drop --async-save)",
+            ),
+            # Without --dropout the policy trains in eval mode, where no dropout runs.
+            (
+                self.dropout or not self.lora.lora_dropout,
                 "--lora-dropout needs --dropout: dropout runs only in train mode, which --dropout "
-                "turns on (the model's own dropout too, where its config has any)"
-            )
+                "turns on (the model's own dropout too, where its config has any)",
+            ),
+        ]
+        for holds, message in checks:
+            if not holds:
+                raise ValueError(message)
 
 
 # Resuming with any of these changed is refused; all else may change (--max-steps, --lr, the
@@ -299,6 +304,7 @@ def train_step(
         # An unpaired loss's mean is over the responses.
         units = int((~run.train.scores[batch].isnan()).sum())
     sums = metrics.StepSums(run.device)
+    coefficients = metrics.flop_coefficients(run.policy)
 
     micro_batches = batches.micro_batches(
         run.train, mine, cfg.batching.micro_batch_size, run.device, run.layout
@@ -318,7 +324,7 @@ def train_step(
         sums.add(
             metrics.row_sums(out, rows),
             metrics.batch_counts(
-                run.flop_coefficients,
+                coefficients,
                 # The policy's forward and backward are 3 forwards' worth of FLOPs, or 2 with LoRA,
                 # whose frozen weights get no gradient.
                 2 if cfg.lora.lora_rank else 3,
@@ -397,16 +403,13 @@ def micro_batch_loss(
             rows.chosen_index,
             rows.rejected_index,
         )
-    # ORPO's scored prompts come after the responses: each pair's, for its NLL.
-    prompts = None
-    if rows.scored_prompts:
-        responses = len(rows.response_rows)
-        prompts = policy[responses:][rows.response_rows[rows.chosen_index]]
-        policy = policy[:responses]
+    # ORPO's scored prompts come after the responses: each pair's, for its NLL. (With --ld-alpha
+    # the policy's log-probs are pair sides, and no prompts follow them.)
+    prompts = rows.pair_prompts(policy) if rows.scored_prompts else None
+    policy = policy[: len(policy) - rows.scored_prompts]
     # Per response, for the ranking metrics: not with --ld-alpha, whose log-probs are per pair.
-    logratios = None
-    if ref is not None and objective.ld_alpha is None:
-        logratios = policy - ref
+    per_response = ref is not None and objective.ld_alpha is None
+    logratios = policy - ref if per_response else None
     if objective.listwise:
         out = loss.row_losses(
             objective,
@@ -478,7 +481,7 @@ def evaluate_and_sample(run: "Run", log: metrics.RunLog, step: int, t0: float) -
 # ------------------------------------------------------------------------------------------- setup
 @dataclass
 class Run:
-    """What prepare() decides and reads, and what setup() then builds, once."""
+    """What prepare_run() decides and reads, and what setup() then builds, once."""
 
     cfg: Config
     device: torch.device
@@ -493,29 +496,26 @@ class Run:
     demo: list | None
     steps: batches.StepBatches  # each step's global batch
     layout: batches.Layout  # how micro-batches lay out rows
-    # The checkpoint to resume from (checkpoint.resume_state), or None.
+    # The checkpoint to resume from (checkpoint.resume_state), or None, and the step it holds.
     saved: dict | None
+    start_step: int
     policy: torch.nn.Module | None = None
     # None with --ref precompute or a reference-free loss; with LoRA, the policy's base.
     reference: torch.nn.Module | None = None
-    flop_coefficients: tuple = ()  # metrics.flop_coefficients of the policy
     # --ref precompute: "train" and "eval", each batches.row_table's (N, K) per-response log-probs,
     # or with --ld-alpha (N, K, K), per pair.
     ref_tables: dict = field(default_factory=dict)
     # On a GPU, the plan of the first step's peak (plan_first_step), in GB, which train() checks.
     planned_gb: float | None = None
 
-    @property
-    def start_step(self) -> int:
-        return self.saved["step"] if self.saved else 0
-
 
 def setup(cfg: Config, device: torch.device) -> tuple[Run, torch.optim.Optimizer]:
-    """The run, step by step: prepare() (all that reads no weights); the policy and (online) a
+    """The run, step by step: prepare_run() (all that reads no weights); the policy and (online) a
     frozen reference, sharded alike, each rank reading its own rows of the weights (LoRA: the
     reference is the base, adapters off); on a GPU, the first step's plan; --ref precompute's
-    log-probs; AdamW over the float32 master weights that train, as saved when resuming."""
-    run = prepare(cfg, device, cfg.model)
+    log-probs; AdamW over the float32 master weights that train; the state of the checkpoint resumed
+    from (TR-DPO's reference too)."""
+    run = prepare_run(cfg, device, cfg.model)
     # A hub id is downloaded by each node's first rank alone (nodes need not share a cache); the
     # others wait, then find it in the cache.
     fsdp_setup.on_rank0(models.find_weights, cfg.model, share=False, per_node=True)
@@ -529,7 +529,6 @@ def setup(cfg: Config, device: torch.device) -> tuple[Run, torch.optim.Optimizer
         cfg, run.model_config, weights, run.precision.mp_policy, device
     )
     del weights
-    run.flop_coefficients = metrics.flop_coefficients(run.policy)
     metrics.say(
         f"{cfg.model}: {metrics.sharded_line(run.policy)}, {run.precision.name}, "
         f"{run.steps.total_steps} steps x {cfg.batching.batch_size} rows; peak host memory after "
@@ -547,11 +546,22 @@ def setup(cfg: Config, device: torch.device) -> tuple[Run, torch.optim.Optimizer
         fused=True,
     )
     if run.saved:
-        resume(run, optimizer)
+        # TR-DPO's reference was saved too.
+        rngs = checkpoint.load_checkpoint(
+            run.saved["path"],
+            run.policy,
+            optimizer,
+            run.reference if cfg.objective.sync_ref_model else None,
+            run.precision.scaler,
+        )
+        lost = f" (saved on {run.saved['world_size']} ranks: random generators not restored)"
+        metrics.say(
+            f"resumed from {run.saved['path']} at step {run.start_step}{'' if rngs else lost}"
+        )
     return run, optimizer
 
 
-def prepare(cfg: Config, device: torch.device, model: str) -> Run:
+def prepare_run(cfg: Config, device: torch.device, model: str) -> Run:
     """All of the run that reads no weights, so that what the user must fix fails first (a
     ValueError naming the flag or the file): resolve the config (in place: the micro-batch size);
     read `model`'s config and tokenizer (--model; for the demo's checks before its SFT stage,
@@ -594,6 +604,15 @@ def prepare(cfg: Config, device: torch.device, model: str) -> Run:
         # KTO's KL estimate: each row carries its mismatched completions.
         train_rows = data.with_mismatched(train_rows, cfg.dataset.max_length)
         eval_rows = data.with_mismatched(eval_rows, cfg.dataset.max_length)
+    # Rank 0 resolves "latest" for all (another node may still see its old target), or finds no
+    # other run's checkpoints where a new run would write.
+    saved = fsdp_setup.on_rank0(
+        checkpoint.resume_state,
+        os.path.join(cfg.out_dir, "checkpoints"),
+        cfg.checkpoints.resume,
+        _identity(cfg, summary),
+        _SAME_RUN,
+    )
     if cfg.memory_plan.plan or cfg.batching.micro_batch_size == "auto":
         micro, table = memory.choose(
             plan_memory(cfg, device, mixed, model_config, train_rows),
@@ -620,31 +639,9 @@ def prepare(cfg: Config, device: torch.device, model: str) -> Run:
             not cfg.objective.pairwise,
             "orpo" in cfg.objective.loss,
         ),
-        # Rank 0 resolves "latest" for all (another node may still see its old target), or finds
-        # no other run's checkpoints where a new run would write.
-        saved=fsdp_setup.on_rank0(
-            checkpoint.resume_state,
-            os.path.join(cfg.out_dir, "checkpoints"),
-            cfg.checkpoints.resume,
-            _identity(cfg, summary),
-            _SAME_RUN,
-        ),
+        saved=saved,
+        start_step=saved["step"] if saved else 0,
     )
-
-
-def resume(run: Run, optimizer: torch.optim.Optimizer) -> None:
-    """The policy, the optimizer, fp16's scale, TR-DPO's reference (saved too) and the random
-    generators as run.saved's checkpoint holds them."""
-    saved = run.saved
-    rngs = checkpoint.load_checkpoint(
-        saved["path"],
-        run.policy,
-        optimizer,
-        run.reference if run.cfg.objective.sync_ref_model else None,
-        run.precision.scaler,
-    )
-    lost = f" (saved on {saved['world_size']} ranks: random generators not restored)"
-    metrics.say(f"resumed from {saved['path']} at step {run.start_step}{'' if rngs else lost}")
 
 
 def build_models(cfg: Config, model_config, weights: dict | None, mp_policy, device: torch.device):
@@ -908,10 +905,10 @@ def main(argv: list[str] | None = None) -> None:
         if stages and stages.sft_flags:
             # Every check of the DPO run that reads no weights passes before the stage starts. The
             # stage's model will be the tiny one, trained: its config and tokenizer stand in.
-            run_process_group(cfg, prepare, "tiny")
+            run_process_group(cfg, prepare_run, "tiny")
             run_process_group(_parse(stages.sft_flags), train, stages.resume_hint)
         if cfg.memory_plan.plan:
-            run_process_group(cfg, prepare, cfg.model)
+            run_process_group(cfg, prepare_run, cfg.model)
         else:
             run_process_group(cfg, train)
     except ValueError as e:
@@ -926,7 +923,7 @@ def _parse(argv: list[str]) -> Config:
 
 
 def run_process_group(cfg: Config, fn, *args) -> None:
-    """fn(cfg, device, *args) in a process group of its own (train, or prepare's checks alone);
+    """fn(cfg, device, *args) in a process group of its own (train, or prepare_run's checks alone);
     exits with the code train returns, unless 0."""
     _, _, device = fsdp_setup.init_distributed(
         cfg.fsdp.device,
