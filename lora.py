@@ -27,7 +27,8 @@ need neither. This runs as written:
     q = "base_model.model.model.layers.0.self_attn.q_proj"
     names = [f"{q}.base_layer.weight", f"{q}.lora_A.default.weight", f"{q}.lora_B.default.weight"]
     names.append("base_model.model.lm_head.weight")
-    weight = torch.zeros(8, 8)  # each one's (sharded) tensor; fetch() gathers it whole
+    # Each one's (sharded) tensor; fetch() gathers it whole.
+    weight = torch.zeros(8, 8, device="cpu")
     entries = [(name, weight, weight.clone) for name in names]
     # The base model's weights under its own names, the adapters dropped: W alone.
     print([name for name, _, _ in base_entries(entries)])

@@ -62,8 +62,11 @@ This runs as written:
     import torch
     from loss import LossConfig, pair_losses, preference_loss
 
-    chosen, rejected = torch.tensor([-10.0, -12.0]), torch.tensor([-11.0, -11.5])
-    ref_chosen, ref_rejected = torch.tensor([-10.5, -12.0]), torch.tensor([-11.0, -11.0])
+    # (P,) summed log-probs of each pair's sides, by the policy and by the reference.
+    chosen = torch.tensor([-10.0, -12.0], device="cpu")
+    rejected = torch.tensor([-11.0, -11.5], device="cpu")
+    ref_chosen = torch.tensor([-10.5, -12.0], device="cpu")
+    ref_rejected = torch.tensor([-11.0, -11.0], device="cpu")
     losses, chosen_rewards, rejected_rewards = preference_loss(
         chosen, rejected, ref_chosen, ref_rejected, "dpo", beta=0.1
     )
@@ -71,7 +74,7 @@ This runs as written:
         LossConfig(loss=("dpo", "sft"), loss_weights=(1.0, 0.5)),
         torch.cat([chosen, rejected]),  # (2P,) policy log-probs
         torch.cat([ref_chosen, ref_rejected]),
-        torch.tensor([5, 6, 4, 7]),  # (2P,) response lengths
+        torch.tensor([5, 6, 4, 7], device="cpu"),  # (2P,) response lengths
         tokens_per_pair=5.5,
     )
     print(out.losses, out.chosen_rewards)

@@ -23,7 +23,7 @@ Copyable on its own: imports only the standard library and torch. This runs as w
         return fully_shard(model), None
 
     def collate(size):  # a host batch of `size` rows of 256 tokens
-        return torch.zeros(size * 256, 512)
+        return torch.zeros(size * 256, 512, device="cpu")
 
     def micro_batch(model, rows):  # forward and backward of one micro-batch
         model(rows).square().mean().backward()

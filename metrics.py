@@ -14,22 +14,24 @@ Copyable on its own: imports only the standard library and torch. This runs as w
     # A micro-batch of 2 pairs, a row each: the fields of its batches.RowBatch that these read
     # (R = 4 responses, the chosen ones first), and its loss.Losses.
     batch = SimpleNamespace(
-        input_ids=torch.zeros(4, 6, dtype=torch.long),
-        attention_mask=torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [1] * 5 + [0], [1] * 3 + [0] * 3]),
-        score_index=torch.arange(8),
-        scores=torch.tensor([[1.0, 0.0], [1.0, 0.0]]),
-        response_rows=torch.tensor([0, 1, 0, 1]),
-        chosen_index=torch.tensor([0, 1]),
+        input_ids=torch.zeros(4, 6, dtype=torch.long, device=cpu),
+        attention_mask=torch.tensor(
+            [[1] * 6, [1] * 4 + [0] * 2, [1] * 5 + [0], [1] * 3 + [0] * 3], device=cpu
+        ),
+        score_index=torch.arange(8, device=cpu),
+        scores=torch.tensor([[1.0, 0.0], [1.0, 0.0]], device=cpu),
+        response_rows=torch.tensor([0, 1, 0, 1], device=cpu),
+        chosen_index=torch.tensor([0, 1], device=cpu),
         mismatched=0,
         parts=None,
     )
     out = SimpleNamespace(
         unit="pair",
-        losses=torch.tensor([0.6, 0.8]),
-        chosen_rewards=torch.tensor([0.3, -0.1]),
-        rejected_rewards=torch.tensor([0.1, 0.2]),
-        chosen_logps=torch.tensor([-12.0, -9.5]),
-        rejected_logps=torch.tensor([-14.0, -9.0]),
+        losses=torch.tensor([0.6, 0.8], device=cpu),
+        chosen_rewards=torch.tensor([0.3, -0.1], device=cpu),
+        rejected_rewards=torch.tensor([0.1, 0.2], device=cpu),
+        chosen_logps=torch.tensor([-12.0, -9.5], device=cpu),
+        rejected_logps=torch.tensor([-14.0, -9.0], device=cpu),
         response_rewards=None,
         logratios=None,
         kl=None,

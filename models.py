@@ -464,7 +464,12 @@ def _probe_logps(model, rows: list, row_inputs=None) -> torch.Tensor:
     the prompt ends, seeing the prompt and itself), else as plain causal rows. A response's first
     token is predicted at the prompt's last position, the others at their own predecessors'."""
     positions = [
-        torch.cat([torch.arange(len(t)) + min(s, 1) * len(row[0]) for s, t in enumerate(row)])
+        torch.cat(
+            [
+                torch.arange(len(t), device="cpu") + min(s, 1) * len(row[0])
+                for s, t in enumerate(row)
+            ]
+        )
         for row in rows
     ]
     segments = [torch.cat([torch.full_like(t, s) for s, t in enumerate(row)]) for row in rows]
