@@ -232,7 +232,7 @@ def row_pairs(scores: list[float], pairs: str = "all") -> list[tuple[int, int]]:
             for i, j in ordered
             if scores[i] != scores[j]
         ]
-    best = max(real, key=scores.__getitem__)
+    best = best_response(scores)
     lower = [j for j in real if scores[j] < scores[best]]
     if pairs == "best-vs-worst":
         lower = [min(lower, key=scores.__getitem__)] if lower else []
@@ -274,9 +274,14 @@ def collate_rows(
     `best_only` (SFT): each row's best response alone, paired with itself; `score_prompts`
     (ORPO): each prompt's tokens but its first scored too, after the responses' (scored_prompts)."""
     host = torch.device("cpu")
-    kept = [list(range(len(row["scores"]))) for row in rows]
+    # The scored responses each row lays out, and its pairs as (preferred, other) columns.
     if best_only:
+        # SFT alone: each row's best response stands for its one pair, against itself.
         kept = [[best_response(row["scores"])] for row in rows]
+        found = [(b, (ks[0], ks[0])) for b, ks in enumerate(kept)]
+    else:
+        kept = [list(range(len(row["scores"]))) for row in rows]
+        found = [(b, ij) for b, row in enumerate(rows) for ij in row_pairs(row["scores"], pairs)]
     # KTO's mismatched completions: a row's responses past its scores.
     extra = [list(range(len(row["scores"]), len(row["responses"]))) for row in rows]
     # (row, column) of the R responses, column after column: a pair file's are all its chosen
@@ -307,9 +312,10 @@ def collate_rows(
     index = {}
     for r, (b, held) in enumerate(layout):
         prompt = rows[b]["prompt"]
+        flat = r * width
         if score_prompts and (b, None) not in index:
             # ORPO's NLL: the prompt's tokens but its first, on the prompt's first layout row.
-            index[b, None] = list(range(r * width, r * width + len(prompt) - 1))
+            index[b, None] = list(range(flat, flat + len(prompt) - 1))
         start = 0
         for segment, tokens in enumerate([prompt, *(rows[b]["responses"][k] for _, k in held)]):
             end = start + len(tokens)
@@ -320,20 +326,13 @@ def collate_rows(
             position_ids[r, start:end] = torch.arange(first, first + len(tokens), device=host)
             # An empty response (never one of data.py's) scores nothing.
             if segment:
-                flat = r * width
                 scored = [flat + len(prompt) - 1, *range(flat + start, flat + end - 1)]
                 index[held[segment - 1]] = scored if tokens else []
             start = end
     # Each response's place among the R, to turn a row's pairs into indices of responses.
     place = {response: n for n, response in enumerate(responses)}
-    found = [(b, ij) for b, row in enumerate(rows) for ij in row_pairs(row["scores"], pairs)]
-    if best_only:
-        # SFT alone: each row's best response stands for its one pair, against itself.
-        found = [(b, (ks[0], ks[0])) for b, ks in enumerate(kept)]
-    lengths = [len(rows[b]["responses"][k]) for b, k in responses]
     chosen = [place[b, i] for b, (i, _) in found]
     rejected = [place[b, j] for b, (_, j) in found]
-    most = max(len(row["scores"]) for row in rows)
     parts = None
     if mismatched:
         parts = tuple(
@@ -357,13 +356,13 @@ def collate_rows(
         torch.tensor([t for tokens, _ in segments for t in tokens], device=host),
         torch.tensor(chosen, dtype=torch.long, device=host),
         torch.tensor(rejected, dtype=torch.long, device=host),
-        sum(lengths[i] + lengths[j] for i, j in zip(chosen, rejected)),
+        sum(len(rows[b]["responses"][i]) + len(rows[b]["responses"][j]) for b, (i, j) in found),
         torch.tensor([b for b, _ in responses], device=host),
         torch.tensor([k for _, k in responses], device=host),
-        torch.tensor(
-            [row["scores"] + [math.nan] * (most - len(row["scores"])) for row in rows],
-            dtype=torch.float32,
-            device=host,
+        torch.nn.utils.rnn.pad_sequence(
+            [torch.tensor(row["scores"], dtype=torch.float32, device=host) for row in rows],
+            batch_first=True,
+            padding_value=math.nan,
         ),
         position_ids if share_prompt else None,
         segment_ids if share_prompt else None,
@@ -394,18 +393,18 @@ class StepBatches:
                 f"{self.n_rows} training rows, fewer than one --batch-size ({config.batch_size})"
             )
         self.total_steps = config.max_steps or config.epochs * self.steps_per_epoch
-        # The current epoch's batches, made when a step first needs them.
-        self._epoch = -1
-        self._batches = []
+        # {epoch: its batches} of the current epoch alone, made when a step first needs them.
+        self._batches = {}
 
     def __call__(self, step: int) -> list[int]:
         epoch = step // self.steps_per_epoch
-        if self._epoch != epoch:
-            self._epoch = epoch
-            self._batches = build_batches(
-                self.n_rows, self.config.batch_size, self.seed, epoch, self.lengths
-            )
-        return self._batches[step % self.steps_per_epoch]
+        if epoch not in self._batches:
+            self._batches = {
+                epoch: build_batches(
+                    self.n_rows, self.config.batch_size, self.seed, epoch, self.lengths
+                )
+            }
+        return self._batches[epoch][step % self.steps_per_epoch]
 
 
 def row_lengths(row_lens: torch.Tensor) -> list[int]:
@@ -424,8 +423,9 @@ def pair_counts(rows, idx: list[int], layout: Layout) -> tuple[int, int]:
     for i in idx:
         lengths = rows.lengths[i].tolist()
         scores = rows.scores[i].tolist()
-        best = [(best_response(scores), None)]
-        found = best if layout.best_only else row_pairs(scores, layout.pairs)
+        found = (
+            [(best_response(scores), None)] if layout.best_only else row_pairs(scores, layout.pairs)
+        )
         count += len(found)
         prompt = layout.score_prompts * (lengths[0] - 1)
         tokens += sum(lengths[1 + c] + prompt for c, _ in found)
@@ -486,9 +486,12 @@ def row_table(
     rank calls it and gets the whole table."""
     # Each row from one rank, 0 on the others: the sum over ranks is exact, one non-zero term each.
     table = torch.zeros(len(rows), *shape, device=device)
-    lengths = row_lengths(rows.lengths)
     for idx in build_eval_batches(
-        len(rows), micro_batch_size, dist.get_rank(), dist.get_world_size(), lengths
+        len(rows),
+        micro_batch_size,
+        dist.get_rank(),
+        dist.get_world_size(),
+        row_lengths(rows.lengths),
     ):
         # A rank out of rows runs a dummy (row 0), for the collectives, and keeps nothing of it.
         batch = layout.collate([rows[i] for i in idx or [0]]).to(device)
@@ -501,44 +504,37 @@ def response_table(
     rows, fn, per_pair: bool, micro_batch_size: int, device, layout: Layout
 ) -> torch.Tensor:
     """A row_table of fn(batch)'s values: (N, K) from (R,) per-response ones, or with `per_pair`
-    (N, K, K) from (2P,) [chosen; rejected] pair sides (table_entries); K the rows' most
-    responses. table_rows reads it back."""
+    (N, K, K) from (2P,) [chosen; rejected] pair sides (LD-DPO's, which depend on the pair): entry
+    [row, a, b] is response a's against b; K the rows' most responses. table_rows reads it
+    back."""
     # A row's responses: its scored ones, then any mismatched ones (data.with_mismatched).
     most = rows.lengths.shape[1] - 1
     shape = (most, most) if per_pair else (most,)
 
     def entries(idx, batch):  # (B, *shape)
-        return table_entries(fn(batch), batch, most, per_pair)
+        values = fn(batch)
+        table = torch.zeros(len(batch.scores), *shape, device=values.device)
+        return table.index_put(_table_index(batch, per_pair), values)
 
     return row_table(rows, shape, entries, micro_batch_size, device, layout)
 
 
-def table_entries(values: torch.Tensor, batch: RowBatch, most: int, per_pair: bool):
-    """A row_table's rows for `batch`: (B, most) from (R,) per-response values, or with
-    `per_pair` (B, most, most) from (2P,) [chosen; rejected] pair sides (LD-DPO's, which depend
-    on the pair): entry [row, a, b] is response a's against b."""
-    rows = len(batch.scores)
-    if not per_pair:
-        at = (batch.response_rows, batch.response_columns)
-        return torch.zeros(rows, most, device=values.device).index_put(at, values)
-    return torch.zeros(rows, most, most, device=values.device).index_put(_sides(batch), values)
-
-
 def table_rows(table: torch.Tensor, idx: list[int], batch: RowBatch) -> torch.Tensor:
-    """`batch`'s values from a row_table of rows `idx`: (R,) per response from an (N, K) table,
-    (2P,) [chosen; rejected] pair sides from an (N, K, K) one (table_entries)."""
+    """`batch`'s values from a response_table of rows `idx`: (R,) per response from an (N, K)
+    table, (2P,) [chosen; rejected] pair sides from an (N, K, K) one."""
     mine = table[to_device(torch.tensor(idx or [0], device="cpu"), table.device)]
-    if table.dim() == 2:
-        return mine[batch.response_rows, batch.response_columns]
-    return mine[_sides(batch)]
+    return mine[_table_index(batch, per_pair=table.dim() == 3)]
 
 
-def _sides(batch: RowBatch) -> tuple:
-    """(row, column, partner's column) of each of the (2P,) [chosen; rejected] pair sides."""
+def _table_index(batch: RowBatch, per_pair: bool) -> tuple:
+    """A response_table's index of `batch`'s values: (row, column) of each of the (R,) responses,
+    or with `per_pair` (row, column, partner's column) of each of the (2P,) [chosen; rejected]
+    pair sides."""
+    if not per_pair:
+        return batch.response_rows, batch.response_columns
     side = torch.cat([batch.chosen_index, batch.rejected_index])
     other = torch.cat([batch.rejected_index, batch.chosen_index])
-    columns = batch.response_columns
-    return batch.response_rows[side], columns[side], columns[other]
+    return batch.response_rows[side], batch.response_columns[side], batch.response_columns[other]
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -987,7 +987,10 @@ def inspect(argv: list[str] | None = None) -> None:
         "--chat-template", help="a Jinja file or chatml, in place of the tokenizer's template"
     )
     parser.add_argument(
-        "--missing-eos-penalty", type=float, default=0.0, help="taken from a cut response's score"
+        "--missing-eos-penalty",
+        type=float,
+        default=DataConfig.missing_eos_penalty,
+        help="taken from a cut response's score",
     )
     parser.add_argument("--show", type=int, default=3, help="rows to print")
     args = parser.parse_args(argv)

@@ -137,8 +137,10 @@ def demo_files(folder: str, write_jsonl) -> dict[str, str]:
     """{split: path} of the demo's "train", "eval" and "sft" splits and its unpaired "kto" rows
     (demo_unpaired) as JSON Lines files in `folder`, each written by write_jsonl(path, rows)
     unless it is there already."""
-    splits = ("train", "eval", "sft", "kto")
-    files = {split: os.path.join(folder, f"demo-{split}.jsonl") for split in splits}
+    files = {
+        split: os.path.join(folder, f"demo-{split}.jsonl")
+        for split in ("train", "eval", "sft", "kto")
+    }
     for split, path in files.items():
         if not os.path.exists(path):
             write_jsonl(path, demo_unpaired() if split == "kto" else demo_pairs(split))

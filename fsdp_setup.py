@@ -90,10 +90,9 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
-# Process groups started in this process, to name each one's keys in the store.
-_groups = itertools.count(1)
-# Every rank calls on_rank0 in the same order: the n-th call's key in the store.
-_rank0_calls = itertools.count(1)
+# Numbers for keys in the store, each process group's and each on_rank0 call's: every rank starts
+# its groups and calls on_rank0 in the same order, so the n-th number names the same keys on each.
+_store_keys = itertools.count(1)
 
 
 @dataclass
@@ -183,7 +182,7 @@ def init_distributed(
         store, rank, world = dist.HashStore(), 0, 1
     dist.init_process_group(
         "cpu:gloo,cuda:nccl" if cuda else "gloo",
-        store=dist.PrefixStore(f"dpo/{next(_groups)}", store),
+        store=dist.PrefixStore(f"dpo/{next(_store_keys)}", store),
         rank=rank,
         world_size=world,
         timeout=timedelta(seconds=timeout_s),
@@ -200,7 +199,7 @@ def on_rank0(fn, *args, share: bool = True, per_node: bool = False):
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return fn(*args)
     leader = dist.get_rank() - int(os.environ.get("LOCAL_RANK", 0)) if per_node else 0
-    key = f"dpo/on_rank0/{next(_rank0_calls)}/{leader}"
+    key = f"dpo/on_rank0/{next(_store_keys)}/{leader}"
     store = dist.distributed_c10d._get_default_store()
     if dist.get_rank() == leader:
         try:

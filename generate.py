@@ -207,7 +207,6 @@ def generate(
     # Left-padded, (B, P): every prompt ends where generation starts.
     input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
     generators = [
         torch.Generator(device).manual_seed(
             random.Random(f"{seed}/{first + i}/{k}").getrandbits(63)
@@ -223,6 +222,8 @@ def generate(
     model.eval()
     kept = _keep_gathered(model, device)
     for step in range(max_new_tokens):
+        # The fed tokens' positions: how many tokens of their row come before them, padding aside.
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1] :]
         result = model(
             input_ids=input_ids,
             attention_mask=mask,
@@ -238,7 +239,6 @@ def generate(
             cache.batch_repeat_interleave(num_generations)
             logits = logits.repeat_interleave(num_generations, dim=0)
             mask = mask.repeat_interleave(num_generations, dim=0)
-            positions = positions.repeat_interleave(num_generations, dim=0)
         token = _next_tokens(logits, temperature, top_p, generators).masked_fill(done, pad_id)
         out.append(token)
         done |= token == eos_id
@@ -250,7 +250,6 @@ def generate(
             break
         # (B * K, 1): the cache holds the rest.
         input_ids = token[:, None]
-        positions = positions[:, -1:] + 1
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
     model.train(was_training)
     # Training's settings back, and only shards in memory again.
@@ -443,20 +442,16 @@ def load_scorer(spec: str, device: torch.device, dtype: torch.dtype):
 def _reward_model(name: str, device: torch.device, dtype: torch.dtype):
     """A sequence-classification reward model's scorer of each (prompt, completion) conversation,
     written by its own chat template (or as prompt + completion where it has none)."""
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(name)
-        model = transformers.AutoModelForSequenceClassification.from_pretrained(name, dtype=dtype)
-    except (OSError, ValueError) as e:
-        raise ValueError(
-            f"--reward {name}: not demo or module:function, and no reward model loads from it "
-            f"({str(e).strip().splitlines()[0]})"
-        ) from None
+    tokenizer, model = _from_pretrained(
+        name,
+        transformers.AutoModelForSequenceClassification,
+        dtype,
+        f"--reward {name}: not demo or module:function, and no reward model loads from it",
+    )
     if model.config.num_labels != 1:
         raise ValueError(
             f"--reward {name}: its head gives {model.config.num_labels} scores per text, not one"
         )
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
     # The model reads each text's score at its last token that is not padding.
     model.config.pad_token_id = tokenizer.pad_token_id
     tokenizer.padding_side = "right"
@@ -493,6 +488,20 @@ def _shard(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def _from_pretrained(name: str, model_class, dtype: torch.dtype, failure: str) -> tuple:
+    """(tokenizer, model of `model_class`) of a hub id or folder, the tokenizer padding with EOS
+    where it has no pad token; where either does not load, a ValueError of one line: `failure`,
+    then the cause's first line in brackets."""
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(name)
+        model = model_class.from_pretrained(name, dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{failure} ({str(e).strip().splitlines()[0]})") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer, model
 
 
 def write_rows(config: GenerateConfig, rows: list[dict], tokens: int, seconds: float) -> dict:
@@ -554,8 +563,6 @@ def run(config: GenerateConfig) -> None:
         if not prompts:
             raise ValueError(f"--skip-prompts {config.skip_prompts}: past the last prompt")
         tokenizer, policy = _load_policy(config.model, dtype, config.seed)
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
         _shard(policy, device)
         score = load_scorer(config.reward, device, dtype)
         t0 = time.perf_counter()
@@ -578,15 +585,9 @@ def _load_policy(name: str, dtype: torch.dtype, seed: int) -> tuple:
     `seed` with its byte tokenizer, as its --model tiny builds them (it writes noise: for trying a
     pipeline without a download)."""
     if name != "tiny":
-        try:
-            return (
-                transformers.AutoTokenizer.from_pretrained(name),
-                transformers.AutoModelForCausalLM.from_pretrained(name, dtype=dtype),
-            )
-        except OSError as e:
-            raise ValueError(
-                f"--model {name}: cannot load ({str(e).strip().splitlines()[0]})"
-            ) from None
+        return _from_pretrained(
+            name, transformers.AutoModelForCausalLM, dtype, f"--model {name}: cannot load"
+        )
     tokenizer = transformers.ByT5Tokenizer(
         chat_template=(
             "{% for m in messages %}{{ '<|' + m.role + '|>\\n' + m.content }}"

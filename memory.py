@@ -45,6 +45,7 @@ import logging
 import math
 import os
 import sys
+import traceback
 import weakref
 from dataclasses import dataclass, field
 
@@ -55,6 +56,7 @@ from torch.distributed import fsdp
 from torch._dynamo import convert_frame
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # GB as peak_mem_gb, nvidia-smi and a card's name count them ("80GB"): 2^30 bytes.
@@ -208,7 +210,6 @@ def plan_memory(
         # Offloaded, the policy's shards, gradients and moments stay in host memory.
         if offload:
             plan.host = {k: state.pop(k) / GB for k in list(state) if k != "reference"}
-        trainable = [p for p in policy.parameters() if p.requires_grad]
         for size, batch in rows.items():
             syncs = [False, True] if size < per_rank and unsharded_accumulation else [True]
             with fake, _Trace(parts_from or {}) as trace, _one_sequence_per_row():
@@ -222,8 +223,11 @@ def plan_memory(
                         raise ValueError(
                             f"the memory plan cannot trace this step on fake tensors: {e}"
                         ) from None
+                # Frozen weights get no .grad.
                 grads = {
-                    trace.ids.get(_key(_local(p.grad))) for p in trainable if p.grad is not None
+                    trace.ids.get(_key(_local(p.grad)))
+                    for p in policy.parameters()
+                    if p.grad is not None
                 }
                 policy.zero_grad(set_to_none=True)
             # Sharded accumulation holds every gradient through a step of several micro-batches.
@@ -282,8 +286,9 @@ def choose(plan: Plan, config: PlanConfig, device: torch.device, micro) -> tuple
         card = torch.cuda.get_device_properties(device).total_memory / GB
     if micro == "auto":
         micro = largest_fitting(plan, card)
-    title = f"memory plan for each GPU, of {dist.get_world_size()}:"
-    return micro, format_plan(plan, card, micro, title)
+    return micro, format_plan(
+        plan, card, micro, f"memory plan for each GPU, of {dist.get_world_size()}:"
+    )
 
 
 def fits(peak_gb: float, card_gb: float | None) -> bool:
@@ -314,14 +319,15 @@ def format_plan(plan: Plan, card_gb: float | None, size: int, title: str) -> str
     """The plan as a table: micro-batch `size`'s parts and peak (and the card's memory), then each
     size's peak and, with a card, whether it fits; under `title`."""
     host = {f"{part}, in host memory": gb for part, gb in plan.host.items()}
-    lines = [title] + [
-        f"  {part:<44} {gb:9.3f} GB" for part, gb in {**plan.parts[size], **host}.items()
-    ]
     card = "(no card: --gpu-memory GB tells which sizes fit)"
     if card_gb is not None:
         card = f"of a {card_gb:.1f} GB card, {FITS:.0%} usable, {RESERVED_GB:g} GB reserved"
-    lines.append(f"  {f'peak at micro-batch {size}':<44} {plan.peaks[size]:9.3f} GB {card}")
-    lines.append("  micro-batch   peak GB" + ("   fits" if card_gb is not None else ""))
+    lines = [
+        title,
+        *(f"  {part:<44} {gb:9.3f} GB" for part, gb in {**plan.parts[size], **host}.items()),
+        f"  {f'peak at micro-batch {size}':<44} {plan.peaks[size]:9.3f} GB {card}",
+        "  micro-batch   peak GB" + ("   fits" if card_gb is not None else ""),
+    ]
     for s, peak in plan.peaks.items():
         verdict = ""
         if card_gb is not None:
@@ -354,15 +360,14 @@ def fullest_rank_gb(
     planned = torch.tensor(peak, device=device)
     dist.all_reduce(planned, op=dist.ReduceOp.MAX)
     fullest = planned.item()
-    if fullest < math.inf:
-        return fullest
-    if peak < math.inf and dist.get_rank() == 0:
+    # Rank 0 says so where another rank failed and it did not (a failed rank has said why).
+    if fullest == math.inf and peak < math.inf and dist.get_rank() == 0:
         print(
             "warning: memory check skipped: another rank could not plan its first step (its line "
             "says why)",
             file=sys.stderr,
         )
-    return None
+    return fullest if fullest < math.inf else None
 
 
 def check_line(planned_gb: float, measured_gb: float) -> str:
@@ -395,8 +400,7 @@ def _state_parts(policy: nn.Module, reference: nn.Module | None) -> dict[str, in
         storages.setdefault(_key(_local(param)), ("reference", _local(param)))
     for part, local in storages.values():
         parts[part] += local.untyped_storage().nbytes()
-    trainable = [_local(p) for p in policy.parameters() if p.requires_grad]
-    parts[MOMENTS] = sum(8 * t.numel() + 4 for t in trainable)
+    parts[MOMENTS] = sum(8 * _local(p).numel() + 4 for p in policy.parameters() if p.requires_grad)
     return {k: v for k, v in parts.items() if v}
 
 
@@ -404,14 +408,10 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _tensors(values: list):
-    """The tensors among an op's arguments or outputs: tensors, and lists or tuples of them (an
-    operator's schema nests no deeper)."""
-    for value in values:
-        if isinstance(value, (list, tuple)):
-            yield from (t for t in value if isinstance(t, torch.Tensor))
-        elif isinstance(value, torch.Tensor):
-            yield value
+def _tensors(values) -> list[torch.Tensor]:
+    """The tensors among an op's arguments or outputs (tensors, and lists or tuples of them), in
+    order."""
+    return [t for t in pytree.tree_leaves(values) if isinstance(t, torch.Tensor)]
 
 
 def _kernel_buffers(func, args) -> int:
@@ -466,8 +466,8 @@ class _Trace(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs = {_key(a) for a in _tensors([*args, *kwargs.values()])}
-        for tensor in _tensors([out]):
+        inputs = {_key(a) for a in _tensors((args, kwargs))}
+        for tensor in _tensors(out):
             # An op's output on an input's storage (a view, an in-place op) is no new memory.
             if _key(tensor) not in inputs:
                 self._record(tensor.untyped_storage())
@@ -480,12 +480,12 @@ class _Trace(TorchDispatchMode):
     def _record(self, storage) -> None:
         """A storage's bytes now: a new one, or one resized."""
         key = storage._cdata
-        if key not in self.ids:
-            self.ids[key] = len(self._bytes)
-            self._bytes[self.ids[key]] = 0
+        # A storage not seen before gets the next id.
+        storage_id = self.ids.setdefault(key, len(self._bytes))
+        if storage_id not in self._bytes:
+            self._bytes[storage_id] = 0
             # A storage's Python object lives as long as its memory does.
-            weakref.finalize(storage, self._drop, key, self.ids[key])
-        storage_id = self.ids[key]
+            weakref.finalize(storage, self._drop, key, storage_id)
         size = storage.nbytes()
         if size != self._bytes[storage_id]:
             self.events.append((storage_id, size - self._bytes[storage_id], self._part()))
@@ -503,14 +503,12 @@ class _Trace(TorchDispatchMode):
         Python stack (below this file's own) in FSDP2's files, or outside torch's; that frame's
         file in parts_from names its part, any other file's are activations (the model's code, or
         backward's)."""
-        frame = sys._getframe(1)
-        while frame is not None:
+        for frame, _ in traceback.walk_stack(sys._getframe(1)):
             name = frame.f_code.co_filename
             if name.startswith(_FSDP_DIR):
                 return _FSDP_PART
             if name != __file__ and not name.startswith(_TORCH_DIR):
                 return self.parts_from.get(name, "activations")
-            frame = frame.f_back
         return "activations"
 
     def peak(self, gradients: set, held: bool, offload: bool) -> dict[str, int]:

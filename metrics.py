@@ -288,10 +288,11 @@ def batch_counts(
     from shapes): the policy's rows run `passes` forwards' worth (3: with backward), a reference
     one; with KTO's mismatched completions (batch.parts), the models run the scored responses and
     the mismatched ones apart, the policy the mismatched ones in one forward."""
-    flops = (passes + reference) * _batch_flops(coefficients, batch)
     if batch.parts:
         scored, mismatched = (_batch_flops(coefficients, part) for part in batch.parts)
         flops = (passes + reference) * scored + (1 + reference) * mismatched
+    else:
+        flops = (passes + reference) * _batch_flops(coefficients, batch)
     return torch.stack(
         [
             batch.attention_mask.sum().float(),
