@@ -9,7 +9,7 @@ is the (N, 1 + K) tensor of their lengths, `rows.scores` the (N, K) scores, NaN 
 
     import torch
     import torch.distributed as dist
-    from batches import BatchConfig, StepBatches, micro_batches, rank_share, response_table
+    from batches import BatchConfig, StepBatches, micro_batch_groups, micro_batches, response_table
 
 
     class Rows(list):  # data.RowTokens' rows[i] and lengths, as these functions read them
@@ -33,8 +33,10 @@ is the (N, 1 + K) tensor of their lengths, `rows.scores` the (N, K) scores, NaN 
     steps = StepBatches(rows.lengths, config, seed=0)
     for step in range(steps.total_steps):
         batch = steps(step)  # the global batch: row indices
-        mine = rank_share(batch, rank=0, world_size=1)  # this rank's rows of the step
-        for idx, rb in micro_batches(rows, mine, config.micro_batch_size, "cpu", layout):
+        # This rank's micro-batches of the step: --micro-batch-size rows each (or with --packing,
+        # at most --micro-batch-tokens tokens each, end to end).
+        groups = micro_batch_groups(rows, batch, rank=0, world_size=1, config=config)
+        for idx, rb in micro_batches(rows, groups, "cpu", layout):
             # rb: a RowBatch; its pairs as (preferred, other) among its R responses.
             pairs = list(zip(rb.chosen_index.tolist(), rb.rejected_index.tolist()))
             print(idx, tuple(rb.input_ids.shape), pairs)
@@ -82,6 +84,13 @@ class BatchConfig:
     """Score a prompt's responses in one row, [prompt | r1 | ... | rK], the prompt computed once
     (each response sees the prompt and itself only). --no-share-prompt: a row per response. The
     same batches either way."""
+    packing: bool = False
+    """Lay each micro-batch's rows end to end in one sequence, with no padding (each response still
+    sees its own prompt and itself only, at the positions it has alone): training micro-batches are
+    then counted in tokens (--micro-batch-tokens), packed greedily from the step's rows in order;
+    evaluation's and --ref precompute's micro-batches of --micro-batch-size rows are packed too."""
+    micro_batch_tokens: int = 4096
+    """With --packing: the most tokens in one training micro-batch (a row longer goes alone)."""
 
     def __post_init__(self):
         if self.batch_size < 1:
@@ -90,6 +99,8 @@ class BatchConfig:
             raise ValueError(f"--epochs must be >= 1, got {self.epochs}")
         if self.max_steps < 0:
             raise ValueError(f"--max-steps must be >= 0, got {self.max_steps}")
+        if self.micro_batch_tokens < 1:
+            raise ValueError(f"--micro-batch-tokens must be >= 1, got {self.micro_batch_tokens}")
 
     def resolve(self, world_size: int, shares_prompt: bool = True) -> "BatchConfig":
         """This config with --micro-batch-size's default for `world_size` ranks (ValueError unless
@@ -114,7 +125,7 @@ class BatchConfig:
     def layout(self, pad_id: int, best_only: bool, score_prompts: bool) -> "Layout":
         """This config's Layout of rows, with the loss's: `best_only` (SFT alone), `score_prompts`
         (ORPO)."""
-        return Layout(pad_id, self.share_prompt, self.pairs, best_only, score_prompts)
+        return Layout(pad_id, self.share_prompt, self.pairs, best_only, score_prompts, self.packing)
 
 
 @dataclass
@@ -158,6 +169,9 @@ class RowBatch:
     segment_ids: torch.Tensor | None = None
     """Shared rows: (B, T) int64, 0 on the prompt, k on the k-th response, -1 on padding. A token
     sees the earlier tokens of the prompt and of its own segment."""
+    document_ids: torch.Tensor | None = None
+    """Packed rows: (1, T) int64, the layout row each token belongs to; a token sees only its own
+    layout row's tokens (and there, as segment_ids say)."""
     desirable: torch.Tensor | None = None
     """(R - mismatched,) bool: each scored response's label for an unpaired loss (labels)."""
     mismatched: int = 0
@@ -211,11 +225,19 @@ class Layout:
     """SFT alone: each row's best response alone, paired with itself."""
     score_prompts: bool = False
     """ORPO: each prompt's tokens but its first are scored too, after the responses'."""
+    packing: bool = False
+    """All of a batch's layout rows end to end in one sequence, without padding."""
 
     def collate(self, rows: list[dict]) -> RowBatch:
         """collate_rows of `rows` in this layout, on the host."""
         return collate_rows(
-            rows, self.pad_id, self.share_prompt, self.pairs, self.best_only, self.score_prompts
+            rows,
+            self.pad_id,
+            self.share_prompt,
+            self.pairs,
+            self.best_only,
+            self.score_prompts,
+            self.packing,
         )
 
 
@@ -267,12 +289,15 @@ def collate_rows(
     pairs: str = "all",
     best_only=False,
     score_prompts=False,
+    packing=False,
 ) -> RowBatch:
     """Lay out B rows ({"prompt", "responses", "scores"}) as a RowBatch on the host (RowBatch.to
     moves it): a row per response [prompt | response], or with `share_prompt` a row per prompt
     [prompt | r1 | ... | rK]; T the longest. `pairs`: which pairs each row gives (row_pairs);
     `best_only` (SFT): each row's best response alone, paired with itself; `score_prompts`
-    (ORPO): each prompt's tokens but its first scored too, after the responses' (scored_prompts)."""
+    (ORPO): each prompt's tokens but its first scored too, after the responses' (scored_prompts);
+    `packing`: the layout rows end to end in one row, T their total, without padding
+    (document_ids)."""
     host = torch.device("cpu")
     # The scored responses each row lays out, and its pairs as (preferred, other) columns.
     if best_only:
@@ -299,34 +324,44 @@ def collate_rows(
     layout = [(b, [(b, k) for k in ks]) for b, ks in enumerate(kept)]
     if not share_prompt:
         layout = [(b, [(b, k)]) for b, k in responses]
-    width = max(
+    sizes = [
         len(rows[b]["prompt"]) + sum(len(rows[b]["responses"][k]) for _, k in held)
         for b, held in layout
-    )
-    input_ids = torch.full((len(layout), width), pad_id, dtype=torch.long, device=host)
-    # Padding is its own segment, at position 0 (any position the model has would do).
-    segment_ids = torch.full((len(layout), width), -1, dtype=torch.long, device=host)
-    position_ids = torch.zeros((len(layout), width), dtype=torch.long, device=host)
+    ]
+    # Where each layout row starts, (row, column): a row each, or packed end to end in row 0.
+    places = [(r, 0) for r in range(len(layout))]
+    shape = (len(layout), max(sizes))
+    if packing:
+        places = [(0, sum(sizes[:r])) for r in range(len(layout))]
+        shape = (1, sum(sizes))
+    width = shape[1]
+    input_ids = torch.full(shape, pad_id, dtype=torch.long, device=host)
+    # Padding is its own segment and document, at position 0 (any position the model has would do).
+    segment_ids = torch.full(shape, -1, dtype=torch.long, device=host)
+    document_ids = torch.full(shape, -1, dtype=torch.long, device=host)
+    position_ids = torch.zeros(shape, dtype=torch.long, device=host)
     # Each response's scored positions: its first token is predicted by the prompt's last
     # position, the others by the response's own tokens.
     index = {}
     for r, (b, held) in enumerate(layout):
         prompt = rows[b]["prompt"]
-        flat = r * width
+        row, start = places[r]
+        flat = row * width
         if score_prompts and (b, None) not in index:
             # ORPO's NLL: the prompt's tokens but its first, on the prompt's first layout row.
-            index[b, None] = list(range(flat, flat + len(prompt) - 1))
-        start = 0
+            index[b, None] = list(range(flat + start, flat + start + len(prompt) - 1))
+        prompt_last = flat + start + len(prompt) - 1
         for segment, tokens in enumerate([prompt, *(rows[b]["responses"][k] for _, k in held)]):
             end = start + len(tokens)
-            input_ids[r, start:end] = torch.tensor(tokens, device=host)
-            segment_ids[r, start:end] = segment
+            input_ids[row, start:end] = torch.tensor(tokens, device=host)
+            segment_ids[row, start:end] = segment
+            document_ids[row, start:end] = r
             # Responses start where the prompt ends (their segment's first position, shared).
             first = min(segment, 1) * len(prompt)
-            position_ids[r, start:end] = torch.arange(first, first + len(tokens), device=host)
+            position_ids[row, start:end] = torch.arange(first, first + len(tokens), device=host)
             # An empty response (never one of data.py's) scores nothing.
             if segment:
-                scored = [flat + len(prompt) - 1, *range(flat + start, flat + end - 1)]
+                scored = [prompt_last, *range(flat + start, flat + end - 1)]
                 index[held[segment - 1]] = scored if tokens else []
             start = end
     # Each response's place among the R, to turn a row's pairs into indices of responses.
@@ -337,7 +372,10 @@ def collate_rows(
     if mismatched:
         parts = tuple(
             collate_rows(
-                [{**row, "responses": kept} for row, kept in zip(rows, group)], pad_id, share_prompt
+                [{**row, "responses": kept} for row, kept in zip(rows, group)],
+                pad_id,
+                share_prompt,
+                packing=packing,
             )
             for group in (
                 [row["responses"][: len(row["scores"])] for row in rows],
@@ -364,8 +402,9 @@ def collate_rows(
             batch_first=True,
             padding_value=math.nan,
         ),
-        position_ids if share_prompt else None,
-        segment_ids if share_prompt else None,
+        position_ids if share_prompt or packing else None,
+        segment_ids if share_prompt or packing else None,
+        document_ids if packing else None,
         torch.tensor(
             [labels(rows[b]["scores"])[k] for b, k in responses[: len(responses) - mismatched]],
             dtype=torch.bool,
@@ -471,11 +510,46 @@ def rank_share(batch: list[int], rank: int, world_size: int) -> list[int]:
     return batch[rank * per_rank : (rank + 1) * per_rank]
 
 
-def micro_batches(rows, idx: list[int], micro_batch_size: int, device, layout: Layout):
-    """(indices, RowBatch on `device`) for each micro-batch of rows[idx], in order."""
-    for s in range(0, len(idx), micro_batch_size):
-        mine = idx[s : s + micro_batch_size]
-        yield mine, layout.collate([rows[i] for i in mine]).to(device)
+def micro_batch_groups(
+    rows, batch: list[int], rank: int, world_size: int, config: BatchConfig
+) -> list[list[int]]:
+    """Rank `rank`'s micro-batches of the global `batch` of indices into `rows` (data.RowTokens).
+    Unpacked: its rank_share, --micro-batch-size rows at a time. Packed: the batch's rows, in order,
+    greedily into micro-batches of at most --micro-batch-tokens tokens as laid out (layout_tokens);
+    the micro-batch of most rows split in two until every rank gets as many (their FSDP collectives
+    pair up); then dealt round by round, the largest first."""
+    if not config.packing:
+        mine = rank_share(batch, rank, world_size)
+        size = config.micro_batch_size
+        return [mine[s : s + size] for s in range(0, len(mine), size)]
+    tokens = dict(zip(batch, layout_tokens(rows.lengths[batch], config.share_prompt)))
+    packs = [[]]
+    for i in batch:
+        if packs[-1] and sum(tokens[j] for j in packs[-1]) + tokens[i] > config.micro_batch_tokens:
+            packs.append([])
+        packs[-1].append(i)
+    # The batch's rows are a multiple of the ranks: splitting ends at one row each, at the latest.
+    while len(packs) % world_size:
+        most = max(packs, key=len)
+        at = packs.index(most)
+        packs[at : at + 1] = [most[: len(most) // 2], most[len(most) // 2 :]]
+    # Dealt from the largest down, a round at a time: nearly equal token work on every rank.
+    return sorted(packs, key=lambda p: -sum(tokens[i] for i in p))[rank::world_size]
+
+
+def layout_tokens(lengths: torch.Tensor, share_prompt: bool) -> list[int]:
+    """Each row's tokens as laid out, from its (1 + K,) [prompt, r1, ..., rK] lengths (0 past its
+    own K): one shared row, or a row per response, each with the prompt."""
+    responses = lengths[:, 1:]
+    prompts = lengths[:, 0] * (1 if share_prompt else (responses > 0).sum(1))
+    return (prompts + responses.sum(1)).tolist()
+
+
+def micro_batches(rows, groups: list[list[int]], device, layout: Layout):
+    """(indices, RowBatch on `device`) for each micro-batch (`groups` of indices into rows), in
+    order."""
+    for idx in groups:
+        yield idx, layout.collate([rows[i] for i in idx]).to(device)
 
 
 def row_table(

@@ -67,6 +67,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import staging
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -103,22 +104,29 @@ class Checkpointer:
     """A run's checkpoints in `root`. save() writes root/step-N (as step-N.tmp, renamed once
     complete), then points root/latest at it, so that a run killed mid-save resumes from the
     previous one, and keeps the newest keep_last (0: all). With background=True, save() returns
-    once the shards are copied to host memory, and a thread writes them over a gloo group of its
-    own; finish() completes that write. Make one per process group, on every rank, once the models
-    are on their device: it holds that group (background=True: made here, a collective) and, on
-    GPUs, the pinned host buffers that every save reuses."""
+    once the shards are copied to host memory, and a thread writes them; finish() completes that
+    write. Either way a save's collectives run over a gloo group of its own, with a long timeout.
+    Make one per process group, on every rank, once the models are on their device: it holds that
+    group (made here, a collective) and, on GPUs, the pinned host buffers that every save
+    reuses."""
 
-    def __init__(self, root: str, keep_last: int = 0, background: bool = False):
+    def __init__(
+        self,
+        root: str,
+        keep_last: int = 0,
+        background: bool = False,
+        resume_hint: str = "continue with --resume latest",
+    ):
         self.root = root
         self.keep_last = keep_last
         self.background = background
+        # What a failed save's line ends with: how to resume once the disk has room.
+        self.resume_hint = resume_hint
         # The background write in flight: (its future, the folder `latest` moves to once done).
         self._write = None
-        # Its own timeout: the write's last gather waits for the slowest rank's shards to reach the
-        # disk.
-        self._group = (
-            dist.new_group(backend="gloo", timeout=timedelta(hours=6)) if background else None
-        )
+        # Its own timeout, not training's short one: the write's last gather waits for the slowest
+        # rank's shards to reach the disk.
+        self._group = dist.new_group(backend="gloo", timeout=timedelta(hours=6))
         # Pinned host buffers on GPUs, made once and reused by every save: fast copies from the GPU,
         # and no new page-locked memory at each save.
         self._stager = (
@@ -151,42 +159,48 @@ class Checkpointer:
         self.finish()
         path = os.path.join(self.root, f"step-{step}")
         tmp = path + ".tmp"
-        if dist.get_rank() == 0:
-            # Leftovers of an earlier save that was killed go first.
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-            state = {**extra, "world_size": dist.get_world_size()}
-            if scaler is not None:
-                state["scaler"] = scaler.state_dict() if scaler.is_enabled() else None
-            pathlib.Path(tmp, _STATE).write_text(json.dumps(state, indent=2))
-        dist.barrier()
-        # A shared file system may show another node rank 0's new folder late.
-        os.makedirs(tmp, exist_ok=True)
-        torch.save(
-            {
-                "torch": torch.get_rng_state(),
-                "python": random.getstate(),
-                # The current GPU's generator (the parameters may be offloaded); a CPU run, which
-                # never starts CUDA, does not start it here.
-                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
-            },
-            os.path.join(tmp, f"rng-rank{dist.get_rank()}.pt"),
-        )
-        trained = _trained_state(model, optimizer, reference)
-        # Either write ends in a gather: rank 0's is done once every rank's shards and RNG file are
-        # on disk, before `latest` moves.
-        if self.background:
-            self._write = (
-                dcp.async_save(
-                    trained, checkpoint_id=tmp, process_group=self._group, async_stager=self._stager
-                ),
-                path,
+        try:
+            if dist.get_rank() == 0:
+                # Leftovers of an earlier save that was killed go first.
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp)
+                state = {**extra, "world_size": dist.get_world_size()}
+                if scaler is not None:
+                    state["scaler"] = scaler.state_dict() if scaler.is_enabled() else None
+                pathlib.Path(tmp, _STATE).write_text(json.dumps(state, indent=2))
+            dist.barrier(group=self._group)
+            # A shared file system may show another node rank 0's new folder late.
+            os.makedirs(tmp, exist_ok=True)
+            torch.save(
+                {
+                    "torch": torch.get_rng_state(),
+                    "python": random.getstate(),
+                    # The current GPU's generator (the parameters may be offloaded); a CPU run,
+                    # which never starts CUDA, does not start it here.
+                    "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
+                },
+                os.path.join(tmp, f"rng-rank{dist.get_rank()}.pt"),
             )
-        else:
-            dcp.save(trained, checkpoint_id=tmp)
-            self._publish(path)
-            # No rank goes on before `latest` has moved.
-            dist.barrier()
+            trained = _trained_state(model, optimizer, reference)
+            # Either write ends in a gather: rank 0's is done once every rank's shards and RNG file
+            # are on disk, before `latest` moves.
+            if self.background:
+                self._write = (
+                    dcp.async_save(
+                        trained,
+                        checkpoint_id=tmp,
+                        process_group=self._group,
+                        async_stager=self._stager,
+                    ),
+                    path,
+                )
+            else:
+                dcp.save(trained, checkpoint_id=tmp, process_group=self._group)
+                self._publish(path)
+                # No rank goes on before `latest` has moved.
+                dist.barrier(group=self._group)
+        except (OSError, RuntimeError, CheckpointException) as e:
+            raise self._failed(path, e) from None
         return path
 
     def finish(self, wait: bool = True) -> None:
@@ -197,8 +211,24 @@ class Checkpointer:
             return
         future, path = self._write
         self._write = None
-        future.result()
-        self._publish(path)
+        try:
+            future.result()
+            self._publish(path)
+        except (OSError, RuntimeError, CheckpointException) as e:
+            raise self._failed(path, e) from None
+
+    def _failed(self, path: str, error: BaseException) -> ValueError:
+        """The one line a failed save (a full disk) ends the run with, once this rank's part of
+        its folder is gone: the folder, why, the last complete checkpoint and how to resume."""
+        shutil.rmtree(path + ".tmp", ignore_errors=True)
+        latest = os.path.join(self.root, "latest")
+        last = "none"
+        if os.path.isfile(latest):
+            last = os.path.join(self.root, pathlib.Path(latest).read_text().strip())
+        return ValueError(
+            f"{path}: not saved ({_reason(error)}); its partial folder is removed. The last "
+            f"complete checkpoint: {last}; once the disk has room, {self.resume_hint}"
+        )
 
     def _publish(self, path: str) -> None:
         """Rank 0 renames step-N.tmp to step-N, points `latest` at it, and prunes to keep_last."""
@@ -268,8 +298,21 @@ def load_checkpoint(
     """Load `path` into the sharded model and optimizer (and reference, and an fp16 loss scaler's
     state, as saved), and this rank's RNGs unless the world size changed (False)."""
     state = _trained_state(model, optimizer, reference)
-    # Fails naming any key of `state` that the checkpoint lacks.
-    dcp.load(state, checkpoint_id=path)
+    saved = read_trainer_state(path)
+    same_world = saved["world_size"] == dist.get_world_size()
+    rng_file = os.path.join(path, f"rng-rank{dist.get_rank()}.pt")
+    try:
+        # Fails naming any key of `state` that the checkpoint lacks.
+        dcp.load(state, checkpoint_id=path)
+        rng = torch.load(rng_file, weights_only=True) if same_world else None
+    except (Exception, CheckpointException) as e:
+        # A file cut short or missing: whatever the reader raised, said in one line.
+        previous = _previous(path)
+        fallback = f"--resume {previous}" if previous else "none is older"
+        raise ValueError(
+            f"--resume {path}: damaged checkpoint ({_reason(e)}); the previous complete one: "
+            f"{fallback}"
+        ) from None
     # Not strict: frozen weights are not in the checkpoint, the model has them already.
     set_state_dict(
         model,
@@ -280,13 +323,11 @@ def load_checkpoint(
     )
     if reference is not None:
         set_model_state_dict(reference, state["reference"])
-    saved = read_trainer_state(path)
     # A disabled scaler (not fp16) ignores a saved state.
     if scaler is not None and saved.get("scaler"):
         scaler.load_state_dict(saved["scaler"])
-    if saved["world_size"] != dist.get_world_size():
+    if not same_world:
         return False
-    rng = torch.load(os.path.join(path, f"rng-rank{dist.get_rank()}.pt"), weights_only=True)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
     # This GPU's generator. None when saved by a CPU run; a list (every GPU's states) is not this
@@ -294,6 +335,30 @@ def load_checkpoint(
     if isinstance(rng["cuda"], torch.Tensor) and torch.cuda.is_initialized():
         torch.cuda.set_rng_state(rng["cuda"])
     return True
+
+
+def _reason(error: BaseException) -> str:
+    """An error's type and first line; of DCP's, which gathers every rank's, the first rank's."""
+    if isinstance(error, CheckpointException):
+        rank, (first, _) = next(iter(error.failures.items()))
+        return f"rank {rank}: {_reason(first)}"
+    line = str(error).strip().partition("\n")[0]
+    return f"{type(error).__name__}: {line}" if line else type(error).__name__
+
+
+def _previous(path: str) -> str | None:
+    """The newest complete checkpoint (one with its trainer state) beside `path` and older than
+    it: a step-N folder of a smaller N; None where there is none."""
+    root, name = os.path.split(os.path.normpath(path))
+    step = int(name[5:]) if re.fullmatch(r"step-\d+", name) else float("inf")
+    older = [
+        int(n[5:])
+        for n in os.listdir(root)
+        if re.fullmatch(r"step-\d+", n)
+        and int(n[5:]) < step
+        and os.path.isfile(os.path.join(root, n, _STATE))
+    ]
+    return os.path.join(root, f"step-{max(older)}") if older else None
 
 
 def _trained_state(

@@ -913,10 +913,18 @@ def key_digest(key) -> str:
 
 def write_atomic(path: str, write) -> str:
     """write(tmp) beside `path` (its folder made if need be), then rename: a reader never sees half
-    a file."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    a file. Where the write fails (a full disk), its file is removed and a ValueError names the
+    folder."""
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
-    write(tmp)
+    try:
+        write(tmp)
+    except (OSError, RuntimeError) as e:
+        # A full disk (torch.save says so as a RuntimeError): nothing half-written stays.
+        Path(tmp).unlink(missing_ok=True)
+        reason = str(e).strip().partition("\n")[0]
+        raise ValueError(f"{folder}: cannot write {os.path.basename(path)} ({reason})") from None
     os.replace(tmp, path)
     return path
 
@@ -965,12 +973,13 @@ def load_tokenizer(name: str, chat_template: str | None = None):
 
 def inspect(argv: list[str] | None = None) -> None:
     """python data.py PATH --model NAME [--max-length N] [--max-prompt-length N] [--truncation T]
-    [--chat-template T] [--missing-eos-penalty X] [--show N]: N JSON lines decoded from exactly
-    the tokens that will be trained, then one JSON summary line (its "pairs": how many each
-    --pairs draws). A pair file's rows show as {"prompt", "chosen", "rejected"}, rows of K scored
-    responses as {"prompt", "responses": [{"score", "text"}, ...]}; either with "cut", a bool per
-    response, where any ends without EOS; an unpaired file's as a line {"prompt", "completion",
-    "label"} per response, each row's responses together."""
+    [--chat-template T] [--missing-eos-penalty X] [--show N] [--micro-batch-tokens N]: N JSON lines
+    decoded from exactly the tokens that will be trained, then one JSON summary line (its "pairs":
+    how many each --pairs draws; with --micro-batch-tokens, "packing": how the rows pack). A pair
+    file's rows show as {"prompt", "chosen", "rejected"}, rows of K scored responses as {"prompt",
+    "responses": [{"score", "text"}, ...]}; either with "cut", a bool per response, where any ends
+    without EOS; an unpaired file's as a line {"prompt", "completion", "label"} per response, each
+    row's responses together."""
     parser = argparse.ArgumentParser(prog="data.py", description=inspect.__doc__.split(":")[0])
     parser.add_argument(
         "path", help="file(s) (comma-separated), hub:NAME[:SPLIT] or hub:NAME:CONFIG:SPLIT"
@@ -993,6 +1002,12 @@ def inspect(argv: list[str] | None = None) -> None:
         help="taken from a cut response's score",
     )
     parser.add_argument("--show", type=int, default=3, help="rows to print")
+    parser.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        help="also report how the rows pack (train_dpo.py --packing) into micro-batches of at most "
+        "this many tokens",
+    )
     args = parser.parse_args(argv)
     transformers.utils.logging.set_verbosity_error()
     try:
@@ -1043,7 +1058,28 @@ def inspect(argv: list[str] | None = None) -> None:
             ]
         for line in lines:
             print(json.dumps(line, ensure_ascii=False))
+    if args.micro_batch_tokens:
+        summary["packing"] = _packing(tokens, args.micro_batch_tokens)
     print(json.dumps(summary))
+
+
+def _packing(tokens: RowTokens, limit: int) -> dict:
+    """How the rows pack, greedily in their order (training packs each step's rows, in its order),
+    into micro-batches of at most `limit` tokens (a longer row alone), laid out as shared rows
+    [prompt | r1 | ... | rK]: how many micro-batches, their mean rows, and the share of their token
+    budget that tokens fill (packed, none is padding)."""
+    sizes = tokens.lengths.sum(1).tolist()
+    packs = []
+    for size in sizes:
+        if not packs or packs[-1] + size > limit:
+            packs.append(0)
+        packs[-1] += size
+    return {
+        "micro_batch_tokens": limit,
+        "micro_batches": len(packs),
+        "rows_per_micro_batch": round(len(sizes) / len(packs), 2),
+        "fill": round(sum(sizes) / (len(packs) * limit), 3),
+    }
 
 
 if __name__ == "__main__":

@@ -93,6 +93,8 @@ from torch.distributed.tensor import DTensor
 # Numbers for keys in the store, each process group's and each on_rank0 call's: every rank starts
 # its groups and calls on_rank0 in the same order, so the n-th number names the same keys on each.
 _store_keys = itertools.count(1)
+# Seconds a collective may wait at start-up: loading, tokenizing and compiling on some ranks.
+START_TIMEOUT_S = 1800
 
 
 @dataclass
@@ -126,15 +128,22 @@ class FSDPConfig:
     only gradient shards cross copies (an all-reduce over the R copies). 1: every rank shards one
     copy (FSDP)."""
 
+    collective_timeout: int = 120
+    """Seconds a collective waits for the other ranks once the first step is done (until then,
+    while models load, data tokenizes and kernels compile, 30 minutes): a rank that stops answering
+    (a hung GPU, a stalled file system) ends the job this long after, in one line."""
+
     def __post_init__(self):
         if self.replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
+        if self.collective_timeout < 1:
+            raise ValueError(f"--collective-timeout must be >= 1 s, got {self.collective_timeout}")
 
 
 def init_distributed(
     device: str = "auto",
     replicas: int = 1,
-    timeout_s: int = 1800,
+    timeout_s: int = START_TIMEOUT_S,
     deterministic: bool = False,
     fake_world: int = 0,
 ) -> tuple[int, int, torch.device]:
@@ -189,6 +198,16 @@ def init_distributed(
         device_id=device if cuda else None,
     )
     return rank, world, device
+
+
+def set_timeout(model: nn.Module, seconds: float) -> None:
+    """From now on, a collective of the default group or of sharded `model`'s device mesh fails
+    once it has waited `seconds` for another rank: gloo's waits and NCCL's watchdog alike. Start-up
+    keeps init_distributed's long timeout; training sets a short one after its first step."""
+    mesh = next(p for p in model.parameters() if isinstance(p, DTensor)).device_mesh
+    for group in (None, *mesh.get_all_groups()):
+        # No public API changes a group's timeout (torchtitan calls this one too).
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
 
 
 def on_rank0(fn, *args, share: bool = True, per_node: bool = False):

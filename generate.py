@@ -522,8 +522,14 @@ def write_rows(config: GenerateConfig, rows: list[dict], tokens: int, seconds: f
         (config.out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)),
         (config.out + ".json", json.dumps(sidecar, indent=2) + "\n"),
     ):
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            f.write(text)
+        try:
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as e:
+            # A full disk: no partial file stays.
+            if os.path.exists(path + ".tmp"):
+                os.remove(path + ".tmp")
+            raise ValueError(f"{path}: not written ({e})") from None
         os.replace(path + ".tmp", path)
     return sidecar
 

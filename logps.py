@@ -62,6 +62,9 @@ class ScoredRows:
     """Shared rows: (rows, T) int64, each response's positions starting where the prompt ends."""
     segment_ids: torch.Tensor | None = None
     """Shared rows: (rows, T) int64, 0 on the prompt, k on the k-th response, -1 on padding."""
+    document_ids: torch.Tensor | None = None
+    """Packed rows: (rows, T) int64, which of the rows laid end to end each token belongs to; a
+    token sees no other's."""
     chosen_index: torch.Tensor | None = None
     """LD-DPO only: (P,) int64, each pair's preferred response among the R."""
     rejected_index: torch.Tensor | None = None
@@ -310,7 +313,7 @@ def response_logps(model, rows: ScoredRows, ld_alpha: float | None = None, weigh
         raise ValueError(
             f"{type(head).__name__} is not a ScoredHead: call logps.add_scored_head(model) first"
         )
-    shared = shared_row_inputs(model.config, rows.position_ids, rows.segment_ids)
+    shared = shared_row_inputs(model.config, rows.position_ids, rows.segment_ids, rows.document_ids)
     with head.scoring(rows.score_index, rows.score_targets, weighting) as scored:
         output = model(input_ids=rows.input_ids, use_cache=False, **shared)
     # Fused, the head scored the tokens itself; unfused, the model's logits are the (N, V) of the
@@ -355,9 +358,10 @@ def _ld_sums(token_logps: torch.Tensor, rows: ScoredRows, ld_alpha: float) -> to
     return torch.segment_reduce(tokens, "sum", lengths=own, unsafe=True, initial=0)
 
 
-def shared_row_inputs(config, position_ids, segment_ids) -> dict:
+def shared_row_inputs(config, position_ids, segment_ids, document_ids=None) -> dict:
     """The model's position_ids and attention mask for shared rows of these (rows, T) positions
-    and segments (ScoredRows'); {} for separate rows (position_ids None: causal, no mask). The mask
+    and segments (ScoredRows'), and of packed rows' documents (None: not packed); {} for separate
+    rows (position_ids None: causal, no mask). The mask
     as the model's transformers code (`config`) builds its own: one per kind of layer where the
     config has layer_types (narrowed to config.sliding_window on "sliding_attention" layers: Qwen2,
     Gemma 2 and 3), else one for every layer, narrowed to config.sliding_window where that is set
@@ -367,25 +371,32 @@ def shared_row_inputs(config, position_ids, segment_ids) -> dict:
     window = getattr(config, "sliding_window", None)
     masks = {
         kind: _mask(
-            config, segment_ids, position_ids, window if kind == "sliding_attention" else None
+            config,
+            segment_ids,
+            position_ids,
+            document_ids,
+            window if kind == "sliding_attention" else None,
         )
         for kind in set(getattr(config, "layer_types", None) or ())
     }
     return {
         "position_ids": position_ids,
-        "attention_mask": masks or _mask(config, segment_ids, position_ids, window),
+        "attention_mask": masks or _mask(config, segment_ids, position_ids, document_ids, window),
     }
 
 
-def _mask(config, segments, positions, window: int | None):
+def _mask(config, segments, positions, documents, window: int | None):
     """The attention mask of shared rows, in the form the model's attention takes: a token sees the
-    earlier tokens of the prompt and of its own segment, and with a `window` only those fewer than
-    `window` positions back. (B, 1, T, T) boolean for SDPA, additive float for eager; for
-    FlexAttention a block mask, which skips the blocks masked whole."""
+    earlier tokens of the prompt and of its own segment, of its own document where `documents`
+    (packed rows) are given, and with a `window` only those fewer than `window` positions back.
+    (B, 1, T, T) boolean for SDPA, additive float for eager; for FlexAttention a block mask, which
+    skips the blocks masked whole."""
     rows, length = segments.shape
 
     def seen(b, h, q, k):
         visible = (k <= q) & ((segments[b, k] == 0) | (segments[b, k] == segments[b, q]))
+        if documents is not None:
+            visible = visible & (documents[b, k] == documents[b, q])
         if window:
             visible = visible & (positions[b, q] - positions[b, k] < window)
         return visible

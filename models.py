@@ -444,25 +444,27 @@ def _probe(config, row_inputs) -> str:
                 for lengths in ((6, 4, 7), (1, 5, 2), (3, 2, 1))
             ]
             shared = _probe_logps(model, pairs, row_inputs)
+            packed = _probe_logps(model, pairs, row_inputs, packed=True)
             # A row per response, in the shared rows' order: each pair's chosen, then rejected.
             separate = _probe_logps(model, [[p, r] for p, *responses in pairs for r in responses])
     except Exception as e:  # a model that cannot take the layout (or be cut down): separate rows
         return f"its probe raised {type(e).__name__}: " + str(e).strip().partition("\n")[0]
     finally:
         torch.set_num_threads(threads)
-    gap = (shared - separate).abs().max().item()
+    gap = torch.stack([shared - separate, packed - separate]).abs().max().item()
     return (
-        f"its probe's shared rows scored {gap:.2g} off separate rows"
+        f"its probe's shared or packed rows scored {gap:.2g} off separate rows"
         if gap > 1e-5 * separate.abs().max().item()
         else ""
     )
 
 
-def _probe_logps(model, rows: list, row_inputs=None) -> torch.Tensor:
+def _probe_logps(model, rows: list, row_inputs=None, packed=False) -> torch.Tensor:
     """Each response's summed log-probs, in row order, of rows [prompt | r1 | ...] of (n,) int64
     tensors on the CPU: with `row_inputs` as shared rows (each response's positions starting where
-    the prompt ends, seeing the prompt and itself), else as plain causal rows. A response's first
-    token is predicted at the prompt's last position, the others at their own predecessors'."""
+    the prompt ends, seeing the prompt and itself), else as plain causal rows; `packed`: the shared
+    rows end to end in one, each a document of its own. A response's first token is predicted at
+    the prompt's last position, the others at their own predecessors'."""
     positions = [
         torch.cat(
             [
@@ -473,18 +475,38 @@ def _probe_logps(model, rows: list, row_inputs=None) -> torch.Tensor:
         for row in rows
     ]
     segments = [torch.cat([torch.full_like(t, s) for s, t in enumerate(row)]) for row in rows]
+    ids = [torch.cat(row) for row in rows]
+    documents = None
+    if packed:
+        documents = torch.cat([torch.full_like(t, b) for b, t in enumerate(ids)])[None]  # (1, T)
+        positions = [torch.cat(positions)]
+        segments = [torch.cat(segments)]
+        ids = [torch.cat(ids)]
     extra = (
-        row_inputs(model.config, pad_sequence(positions, True), pad_sequence(segments, True, -1))
+        row_inputs(
+            model.config,
+            pad_sequence(positions, True),
+            pad_sequence(segments, True, -1),
+            documents,
+        )
         if row_inputs
         else {}
     )
-    ids = pad_sequence([torch.cat(row) for row in rows], True)  # (rows, T)
-    logps = model(input_ids=ids, use_cache=False, **extra).logits.float().log_softmax(-1)
+    logps = (
+        model(input_ids=pad_sequence(ids, True), use_cache=False, **extra)
+        .logits.float()
+        .log_softmax(-1)
+    )
     sums = []
+    # Where a row starts: its own line, or packed, after the rows before it.
+    offset = 0
     for b, row in enumerate(rows):
-        start = len(row[0])
+        line = 0 if packed else b
+        start = offset + len(row[0])
         for response in row[1:]:
-            at = [len(row[0]) - 1, *range(start, start + len(response) - 1)]
-            sums.append(logps[b, at, response].sum())
+            at = [offset + len(row[0]) - 1, *range(start, start + len(response) - 1)]
+            sums.append(logps[line, at, response].sum())
             start += len(response)
+        if packed:
+            offset = start
     return torch.stack(sums)

@@ -10,6 +10,7 @@ evaluation, checkpoints, export).
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -211,6 +212,7 @@ def train(
         os.path.join(cfg.out_dir, "checkpoints"),
         keep_last=cfg.checkpoints.keep_last,
         background=cfg.checkpoints.async_save,
+        resume_hint=resume_hint,
     )
     # SIGTERM, SIGUSR1 or SIGINT: finish the step, save, exit.
     stop = checkpoint.StopRequest()
@@ -239,6 +241,9 @@ def train(
         row = stats.row(done, lr, now - step_t0, peak_flops, now - t0)
         log.write(row)
         metrics.show_progress(done, run.steps.total_steps, row)
+        if step == run.start_step:
+            # Start-up's long waits are over: a rank that stops answering now ends the job soon.
+            fsdp_setup.set_timeout(run.policy, cfg.fsdp.collective_timeout)
         if step == run.start_step and run.planned_gb is not None:
             metrics.say(memory.check_line(run.planned_gb, stats.peak_memory_gb))
         bad_steps = precision.count_bad_steps(
@@ -275,6 +280,8 @@ def train(
     stop.restore()
     saver.finish()
     evaluate_and_sample(run, log, run.steps.total_steps, t0)
+    # The export's gathers wait while rank 0 writes each file: start-up's timeout again.
+    fsdp_setup.set_timeout(run.policy, fsdp_setup.START_TIMEOUT_S)
     export_final(run, log)
     return 0
 
@@ -294,7 +301,6 @@ def train_step(
     scaler = run.precision.scaler
     for group in optimizer.param_groups:
         group["lr"] = lr
-    mine = batches.rank_share(batch, dist.get_rank(), dist.get_world_size())
     # The objective is the mean loss over the global batch's pairs (over its rows for a listwise
     # loss or SFT alone): counted on the host from the scores, so each rank's sum over its own is
     # scaled alike, and FSDP's average over the ranks gives that mean.
@@ -306,13 +312,15 @@ def train_step(
     sums = metrics.StepSums(run.device)
     coefficients = metrics.flop_coefficients(run.policy)
 
-    micro_batches = batches.micro_batches(
-        run.train, mine, cfg.batching.micro_batch_size, run.device, run.layout
+    groups = batches.micro_batch_groups(
+        run.train, batch, dist.get_rank(), dist.get_world_size(), cfg.batching
     )
-    for i, (idx, rows) in enumerate(micro_batches):
+    for i, (idx, rows) in enumerate(
+        batches.micro_batches(run.train, groups, run.device, run.layout)
+    ):
         # By default each micro-batch's gradient is reduce-scattered at once, so that no rank holds
         # a full gradient.
-        last = (i + 1) * cfg.batching.micro_batch_size >= len(mine)
+        last = i == len(groups) - 1
         run.policy.set_requires_gradient_sync(last or not cfg.fsdp.unsharded_grad_accumulation)
         # sft's NLL is a token mean over the step's preferred responses: each pair's share is
         # over their mean length.
@@ -572,10 +580,19 @@ def prepare_run(cfg: Config, device: torch.device, model: str) -> Run:
         metrics.say(f"warning: {mixed.warning}")
     tokenizer = data.load_tokenizer(model, cfg.dataset.chat_template)
     model_config = models.load_model_config(model, tokenizer, cfg.dataset.max_length)
+    if cfg.batching.packing and device.type == "cuda":
+        # Packed rows' mask is block-diagonal: FlexAttention's block mask skips the blocks it masks
+        # whole, where SDPA's dense mask computes them.
+        model_config._attn_implementation = "flex_attention"
     # A bad --lora-targets (or --export-merged) fails here, before any weights are read.
     trained = prepare_model(cfg, models.build_model(model_config))
     # A probe of the model's own kind, cut down: whether shared rows score as separate ones.
     refusal = models.shared_prompt_refusal(trained.config, logps.shared_row_inputs)
+    if cfg.batching.packing and refusal:
+        raise ValueError(
+            f"--packing: {model_config.model_type} with {trained.config._attn_implementation} "
+            f"attention does not score packed rows exactly ({refusal})"
+        )
     if cfg.batching.share_prompt and refusal:
         metrics.say(
             f"note: {model_config.model_type} with {trained.config._attn_implementation} "
@@ -770,6 +787,7 @@ def load_or_precompute_ref(run: Run) -> dict[str, torch.Tensor]:
         "ld_alpha": run.cfg.objective.ld_alpha,
         # The layout changes the sums' rounding: a table made in one is not the other's.
         "share_prompt": run.cfg.batching.share_prompt,
+        "packing": run.cfg.batching.packing,
         # LD-DPO's entries are of the pairs made.
         "pairs": run.cfg.batching.pairs,
         # KTO's rows hold their mismatched completions too.
@@ -846,37 +864,47 @@ def export_final(run: Run, log: metrics.RunLog) -> None:
     )
     final = os.path.join(run.cfg.out_dir, "final")
     dtype = getattr(torch, run.cfg.export_dtype)
-    # Every rank gathers one tensor at a time; rank 0 writes.
-    entries = fsdp_setup.full_tensors(run.policy, run.device)
-    if run.cfg.lora.lora_rank and not run.cfg.lora.export_merged:
-        if run.cfg.model == "tiny":
-            # The tiny base is saved nowhere else (a function of --seed): its weights go beside the
-            # adapters, where from_pretrained(final) finds them.
-            models.save_pretrained(
-                final, run.policy.get_base_model(), lora.base_entries(entries), dtype
+    try:
+        # Every rank gathers one tensor at a time; rank 0 writes.
+        entries = fsdp_setup.full_tensors(run.policy, run.device)
+        if run.cfg.lora.lora_rank and not run.cfg.lora.export_merged:
+            if run.cfg.model == "tiny":
+                # The tiny base is saved nowhere else (a function of --seed): its weights go beside
+                # the adapters, where from_pretrained(final) finds them.
+                models.save_pretrained(
+                    final, run.policy.get_base_model(), lora.base_entries(entries), dtype
+                )
+            # The adapters, naming their base.
+            fsdp_setup.on_rank0(
+                lora.save_adapters,
+                run.policy,
+                final,
+                {
+                    k: fetch().to("cpu", dtype)
+                    for k, tensor, fetch in entries
+                    if tensor.requires_grad
+                },
+                os.path.abspath(final) if run.cfg.model == "tiny" else run.cfg.model,
+                share=False,
             )
-        # The adapters, naming their base.
+        elif run.cfg.lora.lora_rank:
+            models.save_pretrained(
+                final, run.policy.get_base_model(), lora.merged_entries(run.policy, entries), dtype
+            )
+        else:
+            models.save_pretrained(final, run.policy, entries, dtype)
         fsdp_setup.on_rank0(
-            lora.save_adapters,
-            run.policy,
+            fsdp_setup.save_files,
             final,
-            {k: fetch().to("cpu", dtype) for k, tensor, fetch in entries if tensor.requires_grad},
-            os.path.abspath(final) if run.cfg.model == "tiny" else run.cfg.model,
+            run.tokenizer,
+            {"train_config.json": asdict(run.cfg)},
             share=False,
         )
-    elif run.cfg.lora.lora_rank:
-        models.save_pretrained(
-            final, run.policy.get_base_model(), lora.merged_entries(run.policy, entries), dtype
-        )
-    else:
-        models.save_pretrained(final, run.policy, entries, dtype)
-    fsdp_setup.on_rank0(
-        fsdp_setup.save_files,
-        final,
-        run.tokenizer,
-        {"train_config.json": asdict(run.cfg)},
-        share=False,
-    )
+    except (OSError, RuntimeError, safetensors.SafetensorError) as e:
+        # A full disk: final/ is removed, never left half-written.
+        shutil.rmtree(final, ignore_errors=True)
+        reason = str(e).strip().partition("\n")[0]
+        raise ValueError(f"{final}: the export failed ({reason}); it is removed") from None
     metrics.say(f"saved {final}")
     if run.demo:
         metrics.say(demo.what_moved(run.demo))
@@ -933,6 +961,18 @@ def run_process_group(cfg: Config, fn, *args) -> None:
     )
     try:
         code = fn(cfg, device, *args)
+    except RuntimeError as e:
+        # gloo's words for a collective that waited past --collective-timeout (on GPUs, NCCL's
+        # watchdog ends the process with its own line).
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            raise
+        other = f"rank {1 - dist.get_rank()}" if dist.get_world_size() == 2 else "a rank"
+        metrics.say(
+            f"error: rank {dist.get_rank()}: {other} stopped answering: a collective waited "
+            f"--collective-timeout {cfg.fsdp.collective_timeout} s ({e}); --resume latest "
+            "resumes from the last checkpoint"
+        )
+        code = 1
     finally:
         dist.destroy_process_group()
     if isinstance(code, int) and code:

@@ -2,6 +2,7 @@
 byte-level ByT5 tokenizer, so nothing is downloaded. usage: python bench/make_model.py OUT_DIR SHAPE
 
     60m   hidden 512, 8 layers, 32000-row vocabulary (untied): 60.0M parameters, the CPU comparisons
+    60m-4k  60m with 4096 positions: the packing bench's rows of up to 3,072 tokens
     270m  hidden 1024, 16 layers, 32000-row vocabulary (untied): 271.1M parameters, 1.08 GB in
           float32
     1b    the Llama-3.2-1B shape: hidden 2048, 16 layers, GQA 32/8 heads, 128256-row vocabulary
@@ -15,6 +16,7 @@ import transformers
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocabulary, tied, max positions
     "60m": (512, 1536, 8, 8, 8, 32000, False, 2048),
+    "60m-4k": (512, 1536, 8, 8, 8, 32000, False, 4096),
     "270m": (1024, 2816, 16, 16, 16, 32000, False, 2048),
     "1b": (2048, 8192, 16, 32, 8, 128256, True, 4096),
 }

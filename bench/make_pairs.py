@@ -8,7 +8,11 @@ usage: python bench/make_pairs.py OUT.jsonl KIND
            byte-tokens: hh  HH-RLHF-like, long multi-turn prompts (~320) over short responses
            (~64, a fifth); uf  UltraFeedback-like, responses (~260) longer than prompts (~150);
            tldr  TL;DR-like, long posts (~500) and very short summaries (~45)
+    tail   256 pairs of long-tailed lengths (the packing bench, bench/packing.sh): byte-token
+           lengths drawn log-uniformly, prompts in [16, 2048], responses in [16, 1024]
 """
+
+import math
 
 import json
 import random
@@ -25,7 +29,7 @@ WORDS = {
         "him see time could no make than first"
     ).split(),
 }
-WORDS["long"] = WORDS["hh"] = WORDS["uf"] = WORDS["tldr"] = WORDS["gpu"]
+WORDS["long"] = WORDS["hh"] = WORDS["uf"] = WORDS["tldr"] = WORDS["tail"] = WORDS["gpu"]
 # kind: (seed, pairs, prompt words, response words)
 KINDS = {
     "big": (0, 100_000, (20, 60), (20, 80)),
@@ -34,6 +38,7 @@ KINDS = {
     "hh": (2, 64, (65, 95), (10, 18)),
     "uf": (3, 64, (30, 48), (55, 75)),
     "tldr": (4, 64, (110, 140), (8, 14)),
+    "tail": (5, 256, (16, 2048), (16, 1024)),
 }
 
 out, kind = sys.argv[1], sys.argv[2]
@@ -45,6 +50,12 @@ def salad(lo, hi):
     return " ".join(rng.choice(WORDS[kind]) for _ in range(rng.randint(lo, hi)))
 
 
+def tail(lo, hi):
+    """Words cut to a byte length drawn log-uniformly in [lo, hi]."""
+    n = round(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+    return salad(n // 2, n // 2)[:n]
+
+
 with open(out, "w") as f:
     for i in range(n):
         if kind == "big":
@@ -52,6 +63,9 @@ with open(out, "w") as f:
             f.write(
                 json.dumps({"prompt": f"Q{i}: {p}", "chosen": " " + c, "rejected": " " + r}) + "\n"
             )
+        elif kind == "tail":
+            p, c, r = tail(*prompt_words), tail(*response_words), tail(*response_words)
+            f.write(json.dumps({"prompt": p, "chosen": c, "rejected": r}) + "\n")
         else:
             f.write(
                 json.dumps(

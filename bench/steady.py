@@ -1,6 +1,7 @@
 """Steady-state figures of a train_dpo.py run from its metrics.jsonl: pairs/s between the first and
-the last train step (start-up and the first step left out), mean tokens/s and MFU after step 1, peak
-memory, last loss. usage: python bench/steady.py METRICS_JSONL BATCH_SIZE (prints one JSON line)"""
+the last train step (start-up and the first step left out), mean tokens/s, padding efficiency and
+MFU after step 1, peak memory, last loss. usage: python bench/steady.py METRICS_JSONL BATCH_SIZE
+(prints one JSON line)"""
 
 import json
 import sys
@@ -22,6 +23,7 @@ print(
                 (last["step"] - first["step"]) * batch / (last["elapsed_s"] - first["elapsed_s"]), 2
             ),
             "tokens_per_s": round(mean("tokens_per_s")),
+            "padding_efficiency": round(mean("padding_efficiency"), 3),
             "mfu": round(mean("mfu"), 3),
             "peak_gb": round(max(r["peak_mem_gb"] for r in train), 2),
             "last_loss": round(last["loss"], 4),
