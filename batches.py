@@ -334,7 +334,6 @@ def collate_rows(
     if packing:
         places = [(0, sum(sizes[:r])) for r in range(len(layout))]
         shape = (1, sum(sizes))
-    width = shape[1]
     input_ids = torch.full(shape, pad_id, dtype=torch.long, device=host)
     # Padding is its own segment and document, at position 0 (any position the model has would do).
     segment_ids = torch.full(shape, -1, dtype=torch.long, device=host)
@@ -346,7 +345,7 @@ def collate_rows(
     for r, (b, held) in enumerate(layout):
         prompt = rows[b]["prompt"]
         row, start = places[r]
-        flat = row * width
+        flat = row * shape[1]
         if score_prompts and (b, None) not in index:
             # ORPO's NLL: the prompt's tokens but its first, on the prompt's first layout row.
             index[b, None] = list(range(flat + start, flat + start + len(prompt) - 1))
@@ -515,14 +514,19 @@ def micro_batch_groups(
 ) -> list[list[int]]:
     """Rank `rank`'s micro-batches of the global `batch` of indices into `rows` (data.RowTokens).
     Unpacked: its rank_share, --micro-batch-size rows at a time. Packed: the batch's rows, in order,
-    greedily into micro-batches of at most --micro-batch-tokens tokens as laid out (layout_tokens);
+    greedily into micro-batches of at most --micro-batch-tokens tokens as laid out;
     the micro-batch of most rows split in two until every rank gets as many (their FSDP collectives
     pair up); then dealt round by round, the largest first."""
     if not config.packing:
         mine = rank_share(batch, rank, world_size)
-        size = config.micro_batch_size
-        return [mine[s : s + size] for s in range(0, len(mine), size)]
-    tokens = dict(zip(batch, layout_tokens(rows.lengths[batch], config.share_prompt)))
+        return [
+            mine[s : s + config.micro_batch_size]
+            for s in range(0, len(mine), config.micro_batch_size)
+        ]
+    # Each row's tokens as laid out: one shared row, or a row per response, each with the prompt.
+    responses = rows.lengths[batch][:, 1:]  # (B, K), 0 past a row's own K
+    prompts = rows.lengths[batch][:, 0] * (1 if config.share_prompt else (responses > 0).sum(1))
+    tokens = dict(zip(batch, (prompts + responses.sum(1)).tolist()))
     packs = [[]]
     for i in batch:
         if packs[-1] and sum(tokens[j] for j in packs[-1]) + tokens[i] > config.micro_batch_tokens:
@@ -535,14 +539,6 @@ def micro_batch_groups(
         packs[at : at + 1] = [most[: len(most) // 2], most[len(most) // 2 :]]
     # Dealt from the largest down, a round at a time: nearly equal token work on every rank.
     return sorted(packs, key=lambda p: -sum(tokens[i] for i in p))[rank::world_size]
-
-
-def layout_tokens(lengths: torch.Tensor, share_prompt: bool) -> list[int]:
-    """Each row's tokens as laid out, from its (1 + K,) [prompt, r1, ..., rK] lengths (0 past its
-    own K): one shared row, or a row per response, each with the prompt."""
-    responses = lengths[:, 1:]
-    prompts = lengths[:, 0] * (1 if share_prompt else (responses > 0).sum(1))
-    return (prompts + responses.sum(1)).tolist()
 
 
 def micro_batches(rows, groups: list[list[int]], device, layout: Layout):

@@ -221,13 +221,10 @@ class Checkpointer:
         """The one line a failed save (a full disk) ends the run with, once this rank's part of
         its folder is gone: the folder, why, the last complete checkpoint and how to resume."""
         shutil.rmtree(path + ".tmp", ignore_errors=True)
-        latest = os.path.join(self.root, "latest")
-        last = "none"
-        if os.path.isfile(latest):
-            last = os.path.join(self.root, pathlib.Path(latest).read_text().strip())
         return ValueError(
             f"{path}: not saved ({_reason(error)}); its partial folder is removed. The last "
-            f"complete checkpoint: {last}; once the disk has room, {self.resume_hint}"
+            f"complete checkpoint: {_previous(path) or 'none'}; once the disk has room, "
+            f"{self.resume_hint}"
         )
 
     def _publish(self, path: str) -> None:
@@ -300,10 +297,10 @@ def load_checkpoint(
     state = _trained_state(model, optimizer, reference)
     saved = read_trainer_state(path)
     same_world = saved["world_size"] == dist.get_world_size()
-    rng_file = os.path.join(path, f"rng-rank{dist.get_rank()}.pt")
     try:
         # Fails naming any key of `state` that the checkpoint lacks.
         dcp.load(state, checkpoint_id=path)
+        rng_file = os.path.join(path, f"rng-rank{dist.get_rank()}.pt")
         rng = torch.load(rng_file, weights_only=True) if same_world else None
     except (Exception, CheckpointException) as e:
         # A file cut short or missing: whatever the reader raised, said in one line.
