@@ -825,7 +825,6 @@ def start_two_ranks(request, folder):
     k_files = request.getfixturevalue("k_files")
     kto_file = request.getfixturevalue("kto_file")
     names = ("resumed", "offload", "eval", "lora", "wandb", "objectives", "oracle", "krows", "kto")
-    names += ("packed",)
     names += (*CONVERTED, "fp16", "preempted", "generation", "rows", "failed_plan")
     outs = {name: folder / name for name in names}
     resume = os.path.join(six_steps[0], "checkpoints", "step-4")
@@ -876,11 +875,6 @@ def start_two_ranks(request, folder):
         trainer_args(outs["objectives"], *OBJECTIVES),
         trainer_args(outs["oracle"], *ORACLE_ARGS),
         trainer_args(outs["krows"], *k_step_args(k_files[0], len(K_ROWS))),
-        trainer_args(
-            outs["packed"],
-            *k_step_args(k_files[0], len(K_ROWS)),
-            *("--packing", "--micro-batch-tokens", "600"),
-        ),
         trainer_args(
             outs["kto"],
             *kto_step_args(kto_file),
@@ -1029,6 +1023,8 @@ def background(request, tmp_path_factory):
         "onpolicy": start_onpolicy,
         "imports": start_imports,
         "compiled_runs": start_compiled_runs,
+        "packed_ranks": start_packed_ranks,
+        "stalled": start_stalled,
     }
     runs = Background(request, tmp_path_factory, starts)
     wanted = {name for item in request.session.items for name in item.fixturenames}
@@ -1630,46 +1626,6 @@ def test_hsdp_two_replicas_of_two_shards_match_one_rank_and_resume_as_fsdp_on_fo
     )
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=ADAM_ATOL)
-
-
-def test_a_rank_that_stops_answering_ends_the_job_after_the_collective_timeout(tmp_path):
-    """Two ranks, --collective-timeout 3: rank 1 stops at step 2; rank 0 ends the job 3 s later
-    (not after start-up's 30 minutes) with one line naming rank 1, and exit code 1. Step 1, whose
-    start-up kept the long timeout, was logged."""
-    # Rank 1 stops itself (SIGSTOP) at its second step, after writing when into out/stalled.
-    script = os.path.join(HERE, "bench", "stall.py")
-    out = tmp_path / "run"
-    out.mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**SUBPROCESS_ENV, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    env |= {"MASTER_PORT": str(port), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-    argv = trainer_args(out, "--max-steps", "4", "--micro-batch-size", "4")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, script, *argv, "--collective-timeout", "3"],
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    try:
-        _, err = procs[0].communicate(timeout=200)
-        ended = time.time()
-    finally:
-        procs[1].kill()  # a stopped process ends on SIGKILL
-        procs[1].communicate()
-    assert procs[0].returncode == 1, err
-    waited = ended - float((out / "stalled").read_text())
-    (line,) = [x for x in err.split("\n") if x.startswith("error:")]
-    assert line.startswith(
-        "error: rank 0: rank 1 stopped answering: a collective waited --collective-timeout 3 s ("
-    )
-    assert line.endswith("); --resume latest resumes from the last checkpoint")
-    assert 3 <= waited < 20, waited
-    assert [r["step"] for r in read_metrics(out)] == [1]
 
 
 # ------------------------------------------------------------------------------------------ data.py
@@ -4928,22 +4884,6 @@ def test_resume_is_bit_identical_with_model_optimizer_schedule_data_and_rng(
     )  # metrics.jsonl holds each step once, identical to the uninterrupted run
 
 
-def test_a_packed_run_resumes_bit_identically(tmp_path, k_files):
-    """--packing over K-response rows: resumed from step 2's checkpoint, the run logs and exports
-    every bit as the uninterrupted one (its micro-batches a function of the step's rows)."""
-    args = ("--data", k_files[0], "--eval-data", k_files[0], "--batch-size", "8", "--lr", "1e-3")
-    args += ("--max-steps", "4", "--packing", "--micro-batch-tokens", "700")
-    full = run(tmp_path, "full", *args, "--save-every", "2")
-    out = tmp_path / "resumed"
-    shutil.copytree(os.path.join(full, "checkpoints"), out / "checkpoints")
-    (out / "checkpoints" / "latest").write_text("step-2")
-    (out / "metrics.jsonl").write_text(
-        "".join(json.dumps(r) + "\n" for r in read_metrics(full)[:2])
-    )
-    run(tmp_path, "resumed", *args, "--resume", "latest")
-    _assert_same_run(full, str(out))
-
-
 @needs_cuda
 def test_resume_on_cuda_is_bit_identical_and_restores_this_gpus_generator(tmp_path, monkeypatch):
     draws = _record_randomness(monkeypatch, cuda=True)
@@ -5007,7 +4947,7 @@ def test_a_save_that_fails_partway_leaves_the_previous_checkpoint_latest(
 
     monkeypatch.setattr(checkpoint.dcp, "save", failing_save)
     with pytest.raises(SystemExit) as ended:
-        run(tmp_path, "run", "--max-steps", "6", "--save-every", "2")
+        run(tmp_path, "run", "--max-steps", "4", "--save-every", "2")
     ckpts = tmp_path / "run" / "checkpoints"
     assert ended.value.code == 2
     assert capsys.readouterr().err.strip().split("\n")[-1] == (
@@ -5018,9 +4958,9 @@ def test_a_save_that_fails_partway_leaves_the_previous_checkpoint_latest(
     assert sorted(os.listdir(ckpts)) == ["latest", "step-2"]
     assert (ckpts / "latest").read_text() == "step-2" and not (tmp_path / "run" / "final").exists()
     monkeypatch.setattr(checkpoint.dcp, "save", real)
-    out = run(tmp_path, "run", "--max-steps", "6", "--save-every", "2", "--resume", "latest")
-    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
-    assert sorted(os.listdir(ckpts)) == ["latest", "step-2", "step-4", "step-6"]
+    out = run(tmp_path, "run", "--max-steps", "4", "--save-every", "2", "--resume", "latest")
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+    assert sorted(os.listdir(ckpts)) == ["latest", "step-2", "step-4"]
 
 
 def test_resume_refuses_a_different_run_and_exports_in_the_chosen_dtype(tmp_path, capsys):
@@ -7358,19 +7298,32 @@ PACKED_GRID = {
 
 @pytest.mark.parametrize("name", PACKED_GRID)
 def test_packed_rows_train_as_unpacked_ones(tmp_path, k_files, kto_file, name):
-    """3 float32 steps packed (--packing, micro-batches of at most 700 tokens) against the same
-    steps in padded micro-batches of 4 rows: the same per-step losses and gradient norms, and
+    """3 float32 steps of 8 rows packed (--packing, micro-batches of at most 700 tokens) against the
+    same steps in padded micro-batches of 4 rows: the same per-step losses and gradient norms, and
     held-out metrics, up to rounding (_rounding_bound); step 1's DPO loss is ln 2 (the policy is the
-    reference)."""
+    reference). K-response rows packed resume bit for bit from a checkpoint."""
     # --ref precompute reads every row: 48 pairs.
     pairs = write_jsonl(str(tmp_path / "train-48.jsonl"), demo_pairs("train")[:48])
     data = {"krows": k_files[0], "kto": kto_file, "separate": pairs}.get(name)
-    args = ("--max-steps", "3", "--micro-batch-size", "4", "--lr", "1e-3", *PACKED_GRID[name])
+    args = ("--max-steps", "3", "--batch-size", "8", "--micro-batch-size", "4", "--lr", "1e-3")
+    # Rows of unlike lengths side by side: padded micro-batches have padding to remove.
+    args += ("--no-group-by-length", *PACKED_GRID[name])
     if data:
-        args += ("--data", data, "--eval-data", data, "--batch-size", "8")
+        args += ("--data", data, "--eval-data", data)
     plain = run(tmp_path, "plain", *args)
-    packed = run(tmp_path, "packed", *args, "--packing", "--micro-batch-tokens", "700")
+    args += ("--packing", "--micro-batch-tokens", "700")
+    packed = run(tmp_path, "packed", *args, "--save-every", "2" if name == "krows" else "0")
     _assert_same_rows(read_metrics(packed), read_metrics(plain), ("loss", "grad_norm"))
+    if name == "krows":
+        # Resumed from step 2's checkpoint, every bit as the uninterrupted run: its micro-batches
+        # are a function of the step's rows.
+        out = tmp_path / "resumed"
+        shutil.copytree(os.path.join(packed, "checkpoints"), out / "checkpoints")
+        (out / "metrics.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in read_metrics(packed)[:2])
+        )
+        run(tmp_path, "resumed", *args, "--resume", "latest")
+        _assert_same_run(packed, str(out))
     _assert_same_rows(read_metrics(packed, "eval"), read_metrics(plain, "eval"), ("loss",))
     # Packed: no padding; padded: some.
     assert [r["padding_efficiency"] for r in read_metrics(packed)] == [1.0] * 3
@@ -7787,18 +7740,31 @@ def test_one_step_over_k_rows_equals_one_over_the_same_pairs_as_a_pair_file(
         torch.testing.assert_close(wa[name], wb[name], rtol=0, atol=K_STEP_LR)
 
 
-def test_two_ranks_train_k_rows_as_one(tmp_path, k_files, two_ranks):
+def start_packed_ranks(request, folder):
+    """Background's start of packed_ranks: one step over the K-response file (k_step_args) on two
+    ranks, packed into micro-batches of at most 600 tokens."""
+    k_files = request.getfixturevalue("k_files")
+    outs = {"packed": folder / "packed"}
+    args = (*k_step_args(k_files[0], len(K_ROWS)), "--packing", "--micro-batch-tokens", "600")
+    return run_ranks, 2, outs, [trainer_args(outs["packed"], *args)], []
+
+
+@pytest.fixture(scope="module")
+def packed_ranks(background):
+    return background.result("packed_ranks")
+
+
+def test_two_ranks_train_k_rows_as_one(tmp_path, k_files, two_ranks, packed_ranks):
     """One step over the K-response file on two ranks, whose halves hold different numbers of
     pairs (K from 2 to 5), against one rank: the mean is over the global batch's pairs. Packed
     (--packing) too: each rank's share of packed micro-batches, as many on each."""
     one = _one_step(tmp_path, "one", k_files[0], len(K_ROWS))
-    for name in ("krows", "packed"):
-        two = str(two_ranks[0][name])
-        _assert_same_rows(read_metrics(two), read_metrics(one))
-        wa, wb = _final_weights(one), _final_weights(two)
+    for two in (two_ranks[0]["krows"], packed_ranks[0]["packed"]):
+        _assert_same_rows(read_metrics(str(two)), read_metrics(one))
+        wa, wb = _final_weights(one), _final_weights(str(two))
         for key in wa:
             torch.testing.assert_close(wa[key], wb[key], rtol=0, atol=K_STEP_LR)
-    assert read_metrics(str(two_ranks[0]["packed"]))[0]["padding_efficiency"] == 1.0
+    assert read_metrics(str(packed_ranks[0]["packed"]))[0]["padding_efficiency"] == 1.0
 
 
 GENERATE = os.path.join(HERE, "generate.py")
@@ -8030,6 +7996,68 @@ def test_orpo_and_cpo_run_no_reference_model(tmp_path, k_files):
     cpo = run(tmp_path, "cpo", *step, "--ref", "none")
     (a,), (b,) = read_metrics(dpo), read_metrics(cpo)
     assert b["flops"] == pytest.approx(a["flops"] * 3 / 4, rel=1e-12)
+
+
+def start_stalled(request, folder):
+    """Background's start of stalled: two ranks (processes without torchrun) on the demo's data,
+    --collective-timeout 3; bench/stall.py stops rank 1 (SIGSTOP) at its second step, after
+    writing when into its --out-dir."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**SUBPROCESS_ENV, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    env |= {"MASTER_PORT": str(port), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    argv = trainer_args(folder, "--max-steps", "4", "--micro-batch-size", "4")
+    argv += ["--collective-timeout", "3"]
+    return (
+        _run_stalled,
+        folder,
+        [sys.executable, os.path.join(HERE, "bench", "stall.py"), *argv],
+        env,
+    )
+
+
+def _run_stalled(folder, cmd, env):
+    """(rank 0's exit code, its stderr, seconds from the stall to its end, the run's folder)."""
+    procs = [
+        subprocess.Popen(
+            cmd,
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        _, err = procs[0].communicate(timeout=200)
+        ended = time.time()
+    finally:
+        procs[1].kill()  # a stopped process ends on SIGKILL
+        procs[1].communicate()
+    stalled = folder / "stalled"
+    waited = ended - float(stalled.read_text()) if stalled.exists() else None
+    return procs[0].returncode, err, waited, folder
+
+
+@pytest.fixture(scope="module")
+def stalled(background):
+    return background.result("stalled")
+
+
+def test_a_rank_that_stops_answering_ends_the_job_after_the_collective_timeout(stalled):
+    """Two ranks, --collective-timeout 3: rank 1 stops at step 2; rank 0 ends the job 3 s later
+    (not after start-up's 30 minutes) with one line naming rank 1, and exit code 1. Step 1, whose
+    start-up kept the long timeout, was logged."""
+    code, err, waited, out = stalled
+    assert code == 1, err
+    (line,) = [x for x in err.split("\n") if x.startswith("error:")]
+    assert line.startswith(
+        "error: rank 0: rank 1 stopped answering: a collective waited --collective-timeout 3 s ("
+    )
+    assert line.endswith("); --resume latest resumes from the last checkpoint")
+    # Rank 0 may start its wait a moment before rank 1 writes the time it stops.
+    assert 2 < waited < 20, waited
+    assert [r["step"] for r in read_metrics(out)] == [1]
 
 
 # -------------------------------------------------------------------------------------- the project
