@@ -4719,7 +4719,7 @@ def test_a_full_disk_while_saving_in_the_background_is_reported_in_one_line(
     """--async-save: the disk fills while the background thread writes step 2: its failure is
     reported, not swallowed, in one line naming the folder, the last complete checkpoint and how to
     resume; step-2's partial folder removed, `latest` still at step 1; once there is room, --resume
-    latest goes on from it. (The foreground's: the test above.)"""
+    latest goes on from it. (A foreground save's: the test of a save that fails partway.)"""
     import checkpoint
 
     flags = ("--max-steps", "3", "--save-every", "1", "--micro-batch-size", "16", "--async-save")
