@@ -1024,6 +1024,7 @@ def background(request, tmp_path_factory):
         "imports": start_imports,
         "compiled_runs": start_compiled_runs,
         "packed_ranks": start_packed_ranks,
+        "packed_grid": start_packed_grid,
         "stalled": start_stalled,
     }
     runs = Background(request, tmp_path_factory, starts)
@@ -7296,40 +7297,66 @@ PACKED_GRID = {
 }
 
 
-@pytest.mark.parametrize("name", PACKED_GRID)
-def test_packed_rows_train_as_unpacked_ones(tmp_path, k_files, kto_file, name):
-    """3 float32 steps of 8 rows packed (--packing, micro-batches of at most 700 tokens) against the
-    same steps in padded micro-batches of 4 rows: the same per-step losses and gradient norms, and
-    held-out metrics, up to rounding (_rounding_bound); step 1's DPO loss is ln 2 (the policy is the
-    reference). K-response rows packed resume bit for bit from a checkpoint."""
+def start_packed_grid(request, folder):
+    """Background's start of packed_grid: PACKED_GRID's runs, 3 float32 steps of 8 rows, each
+    padded (micro-batches of 4 rows) and packed (of at most 700 tokens), the K-row one packed
+    saving at step 2 and then resumed from that checkpoint; in one start of one rank."""
+    k_files = request.getfixturevalue("k_files")
+    kto_file = request.getfixturevalue("kto_file")
     # --ref precompute reads every row: 48 pairs.
-    pairs = write_jsonl(str(tmp_path / "train-48.jsonl"), demo_pairs("train")[:48])
-    data = {"krows": k_files[0], "kto": kto_file, "separate": pairs}.get(name)
-    args = ("--max-steps", "3", "--batch-size", "8", "--micro-batch-size", "4", "--lr", "1e-3")
-    # Rows of unlike lengths side by side: padded micro-batches have padding to remove.
-    args += ("--no-group-by-length", *PACKED_GRID[name])
-    if data:
-        args += ("--data", data, "--eval-data", data)
-    plain = run(tmp_path, "plain", *args)
-    args += ("--packing", "--micro-batch-tokens", "700")
-    packed = run(tmp_path, "packed", *args, "--save-every", "2" if name == "krows" else "0")
+    pairs = write_jsonl(str(folder / "train-48.jsonl"), demo_pairs("train")[:48])
+    files = {"krows": k_files[0], "kto": kto_file, "separate": pairs}
+    outs = {}
+    runs = []
+    packing = ("--packing", "--micro-batch-tokens", "700")
+    for name, flags in PACKED_GRID.items():
+        args = ("--max-steps", "3", "--batch-size", "8", "--micro-batch-size", "4", "--lr", "1e-3")
+        # Rows of unlike lengths side by side: padded micro-batches have padding to remove.
+        args += ("--no-group-by-length", *flags)
+        if name in files:
+            args += ("--data", files[name], "--eval-data", files[name])
+        save = ("--save-every", "2" if name == "krows" else "0")
+        for layout, extra in (("plain", ()), ("packed", (*packing, *save))):
+            outs[name, layout] = folder / f"{name}-{layout}"
+            runs.append(trainer_args(outs[name, layout], *args, *extra))
+        if name == "krows":
+            outs[name, "resumed"] = folder / "krows-resumed"
+            step_2 = str(outs[name, "packed"] / "checkpoints" / "step-2")
+            runs.append(trainer_args(outs[name, "resumed"], *args, *packing, "--resume", step_2))
+    return run_ranks, 1, outs, runs, []
+
+
+@pytest.fixture(scope="module")
+def packed_grid(background):
+    return background.result("packed_grid")
+
+
+@pytest.mark.parametrize("name", PACKED_GRID)
+def test_packed_rows_train_as_unpacked_ones(packed_grid, name):
+    """3 float32 steps of 8 rows packed (--packing, micro-batches of at most 700 tokens) against the
+    same steps in padded micro-batches of 4 rows (packed_grid): the same per-step losses and
+    gradient norms, and held-out metrics, up to rounding (_rounding_bound); step 1's DPO loss is
+    ln 2 (the policy is the reference). K-response rows packed resume bit for bit from a
+    checkpoint."""
+    outs, proc = packed_grid
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain = str(outs[name, "plain"])
+    packed = str(outs[name, "packed"])
     _assert_same_rows(read_metrics(packed), read_metrics(plain), ("loss", "grad_norm"))
-    if name == "krows":
-        # Resumed from step 2's checkpoint, every bit as the uninterrupted run: its micro-batches
-        # are a function of the step's rows.
-        out = tmp_path / "resumed"
-        shutil.copytree(os.path.join(packed, "checkpoints"), out / "checkpoints")
-        (out / "metrics.jsonl").write_text(
-            "".join(json.dumps(r) + "\n" for r in read_metrics(packed)[:2])
-        )
-        run(tmp_path, "resumed", *args, "--resume", "latest")
-        _assert_same_run(packed, str(out))
     _assert_same_rows(read_metrics(packed, "eval"), read_metrics(plain, "eval"), ("loss",))
     # Packed: no padding; padded: some.
     assert [r["padding_efficiency"] for r in read_metrics(packed)] == [1.0] * 3
     assert min(r["padding_efficiency"] for r in read_metrics(plain)) < 1
     if name == "pairs":
         assert read_metrics(packed)[0]["loss"] == pytest.approx(math.log(2), rel=F32_EPS)
+    if name == "krows":
+        # Resumed from step 2's checkpoint: step 3, the evaluation and the export, every bit.
+        resumed = str(outs[name, "resumed"])
+        _assert_same_rows(read_metrics(resumed), read_metrics(packed)[2:], exact=True)
+        evals = [read_metrics(out, "eval") for out in (resumed, packed)]
+        _assert_same_rows(*evals, PAIR_METRICS, exact=True)
+        wa, wb = _final_weights(resumed), _final_weights(packed)
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def test_the_rounding_bounds_still_tell_one_step_from_the_next(six_steps):
