@@ -164,6 +164,8 @@ class RowBatch:
     """(R,) int64: each response's place in its row's responses as the data has them."""
     scores: torch.Tensor
     """(B, K) float32: each row's scores, K its most responses, NaN past a row's own."""
+    margins: torch.Tensor
+    """(P,) float32: each pair's row's "margin" (a reward model's, TRL's), 0 where it has none."""
     position_ids: torch.Tensor | None = None
     """Shared rows: (B, T) int64, each response's positions starting where the prompt ends."""
     segment_ids: torch.Tensor | None = None
@@ -401,6 +403,7 @@ def collate_rows(
             batch_first=True,
             padding_value=math.nan,
         ),
+        torch.tensor([rows[b].get("margin", 0.0) for b, _ in found], device=host),
         position_ids if share_prompt or packing else None,
         segment_ids if share_prompt or packing else None,
         document_ids if packing else None,

@@ -49,7 +49,7 @@ from typing import Literal
 import torch
 import transformers
 
-_CACHE_VERSION = 6  # bump when tokenization changes, so old caches are not reused
+_CACHE_VERSION = 7  # bump when tokenization changes, so old caches are not reused
 _HH_MARKER = "\n\nAssistant:"
 _CHUNK = 2048  # rows per tokenizer call: batched calls are faster
 # What a JSON value is, by the type it decodes to, for error messages.
@@ -186,6 +186,11 @@ def read_rows(spec: str) -> list[dict]:
                 f"{where}: this row is {kind}, but the first row ({first[0]}) is {first[1]}; mixed "
                 "formats in one file are refused"
             )
+        # TRL's reward-model margin of a pair: r_chosen - r_rejected must pass it (--loss
+        # bradley_terry); 0 where absent.
+        margin = row.get("margin", 0.0)
+        if type(margin) not in (int, float) or not math.isfinite(margin):
+            raise DataError(f"{where}: field 'margin' must be a finite number, got {margin!r:.80}")
         # Responses that a length limit cut short, before their end: they get no EOS.
         cut = row.get("cut", [False] * len(responses))
         if not (
@@ -205,6 +210,7 @@ def read_rows(spec: str) -> list[dict]:
                 "cut": cut,
                 "fields": fields,
                 "where": where,
+                "margin": float(margin),
             }
         )
     if not rows:
@@ -544,11 +550,19 @@ class RowTokens:
     responses (K from 2 to the split's most); tokens[i]: {"prompt": ids, "responses": [ids, ...],
     "scores": [float, ...]}. A pair is the responses [chosen, rejected], scored [1, 0]."""
 
-    def __init__(self, ids: torch.Tensor, lengths: torch.Tensor, scores: torch.Tensor):
+    def __init__(
+        self,
+        ids: torch.Tensor,
+        lengths: torch.Tensor,
+        scores: torch.Tensor,
+        margins: torch.Tensor | None = None,
+    ):
         self.ids = ids  # (total,) int32
         # (N, 1 + K) int64 [prompt, response 1, ..., response K]: 0 past a row's own responses.
         self.lengths = lengths
         self.scores = scores  # (N, K) float32, higher is better: NaN past a row's own responses
+        # (N,) float32: each row's "margin" field (a reward model's, TRL's), 0 where absent.
+        self.margins = torch.zeros(len(lengths)) if margins is None else margins
         self._starts = torch.cat(
             [torch.zeros(1, dtype=torch.long), lengths.sum(1).cumsum(0)]
         ).tolist()
@@ -565,6 +579,7 @@ class RowTokens:
             "prompt": row[:p],
             "responses": [row[a:b] for a, b in zip(ends, ends[1:])],
             "scores": self.scores[i][~self.scores[i].isnan()].tolist(),
+            "margin": self.margins[i].item(),
         }
 
 
@@ -592,7 +607,9 @@ def with_mismatched(tokens: RowTokens, max_length: int) -> RowTokens:
     shift = (torch.cat([starts, before], 1).flatten() - (flat.cumsum(0) - flat)).repeat_interleave(
         flat
     )
-    return RowTokens(tokens.ids[torch.arange(len(shift)) + shift], segments, tokens.scores)
+    return RowTokens(
+        tokens.ids[torch.arange(len(shift)) + shift], segments, tokens.scores, tokens.margins
+    )
 
 
 def synthetic_rows(n: int, prompt: int, length: int, k: int) -> RowTokens:
@@ -651,7 +668,7 @@ def tokenize_rows(
     # Each chunk's ids (after an empty tensor, so that no rows still concatenate), each kept row's
     # lengths and scores, and lengths before truncation.
     done = [torch.zeros(0, dtype=torch.int32)]
-    lengths, scores = [], []
+    lengths, scores, margins = [], [], []
     raw = {"prompt": [], "response": [], "pair": []}
     for s in range(0, len(scored), _CHUNK):
         if progress and len(scored) > 10 * _CHUNK and (s // _CHUNK) % 10 == 0:
@@ -695,6 +712,7 @@ def tokenize_rows(
                 flat += kept[0] + [t for r, _ in kept[1] for t in r]
                 lengths.append([len(kept[0])] + [len(r) for r, _ in kept[1]])
                 scores.append([score for _, score in kept[1]])
+                margins.append(row.get("margin", 0.0))
         # As int32: Python ints would take several times the memory.
         done.append(torch.tensor(flat, dtype=torch.int32))
     # 1 + the most responses a row kept; rows with fewer are padded.
@@ -707,6 +725,7 @@ def tokenize_rows(
         torch.tensor(
             [x + [math.nan] * (width - 1 - len(x)) for x in scores], dtype=torch.float32
         ).view(-1, width - 1),
+        torch.tensor(margins, dtype=torch.float32),
     )
     return tokens, {
         "rows": len(tokens),
@@ -884,9 +903,11 @@ def tokenize_to_cache(config: DataConfig, tokenizer, progress=None) -> str:
                 "train_ids": train.ids,
                 "train_lengths": train.lengths,
                 "train_scores": train.scores,
+                "train_margins": train.margins,
                 "eval_ids": evals.ids,
                 "eval_lengths": evals.lengths,
                 "eval_scores": evals.scores,
+                "eval_margins": evals.margins,
                 "summary": json.dumps(summary),
             },
             tmp,
@@ -899,8 +920,12 @@ def load_tokens(path: str) -> tuple[RowTokens, RowTokens, dict]:
     one copy."""
     saved = torch.load(path, mmap=True, weights_only=True)
     return (
-        RowTokens(saved["train_ids"], saved["train_lengths"], saved["train_scores"]),
-        RowTokens(saved["eval_ids"], saved["eval_lengths"], saved["eval_scores"]),
+        *(
+            RowTokens(
+                *(saved[f"{split}_{part}"] for part in ("ids", "lengths", "scores", "margins"))
+            )
+            for split in ("train", "eval")
+        ),
         json.loads(saved["summary"]),
     )
 

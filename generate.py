@@ -149,7 +149,9 @@ class GenerateConfig:
     """The scorer: "demo" (the demo's ground truth, +1, 0 or -1), "module:function" (a Python
     callable (prompt, completion) -> float, importable from the working directory), or a Hugging
     Face sequence-classification reward model's hub id or folder (one score per text), which scores
-    the conversation as its own chat template writes it."""
+    each row as train_dpo.py reads one (--loss bradley_terry trains such a model): a conversation
+    (message-list prompt) as its chat template writes it, a text prompt + completion as text with
+    one EOS at its end."""
     batch_size: int = 8
     """Prompts per forward (each with its K completions)."""
     skip_prompts: int = 0
@@ -440,8 +442,10 @@ def load_scorer(spec: str, device: torch.device, dtype: torch.dtype):
 
 
 def _reward_model(name: str, device: torch.device, dtype: torch.dtype):
-    """A sequence-classification reward model's scorer of each (prompt, completion) conversation,
-    written by its own chat template (or as prompt + completion where it has none)."""
+    """A sequence-classification reward model's scorer of each (prompt, completion), written as
+    train_dpo.py writes a row (a reward model trained there scores as it trained): a message-list
+    prompt's conversation by the chat template, a text prompt + completion as text with one EOS
+    at its end."""
     tokenizer, model = _from_pretrained(
         name,
         transformers.AutoModelForSequenceClassification,
@@ -459,21 +463,19 @@ def _reward_model(name: str, device: torch.device, dtype: torch.dtype):
 
     @torch.no_grad()
     def score(prompts: list, completions: list[str]) -> list:
-        # Each conversation as messages, a text prompt as the user's turn.
-        chats = [
-            (p if isinstance(p, list) else [{"role": "user", "content": p}])
-            + [{"role": "assistant", "content": c}]
-            for p, c in zip(prompts, completions)
-        ]
-        if tokenizer.chat_template:
-            texts = [tokenizer.apply_chat_template(chat, tokenize=False) for chat in chats]
-        else:
-            # Prompt + completion: the messages' contents, one after another.
-            texts = ["".join(m["content"] for m in chat) for chat in chats]
-        # The template writes its own special tokens.
-        batch = tokenizer(
-            texts, padding=True, add_special_tokens=not tokenizer.chat_template, return_tensors="pt"
-        )
+        # Each as train_dpo.py reads a row: a conversation by the chat template (its special tokens
+        # included), a text prompt + completion as text, ending with one EOS.
+        ids = []
+        for prompt, completion in zip(prompts, completions):
+            if isinstance(prompt, list):
+                chat = prompt + [{"role": "assistant", "content": completion}]
+                text = tokenizer.apply_chat_template(chat, tokenize=False)
+                ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+            else:
+                text_ids = tokenizer(prompt + completion)["input_ids"]
+                eos = [tokenizer.eos_token_id]
+                ids.append(text_ids if text_ids[-1:] == eos else text_ids + eos)
+        batch = tokenizer.pad({"input_ids": ids}, return_tensors="pt")
         return model(**batch.to(device)).logits[:, 0].float().tolist()
 
     return score

@@ -11,6 +11,11 @@ score the responses of rows laid out as ScoredRows describes (batches.RowBatch i
     add_scored_head(model)  # state-dict names unchanged
     sums = response_logps(model, rows)  # (R,) float32, one per response
 
+A reward model (a transformers sequence classifier with one label) scores the same rows' responses
+at their last tokens, each prompt computed once:
+
+    rewards = response_rewards(reward_model, rows)  # (R,) float32
+
 This runs as written:
 
     import torch
@@ -335,6 +340,38 @@ def response_logps(model, rows: ScoredRows, ld_alpha: float | None = None, weigh
     aligned = (values[:n] - values[n:]).detach()
     log_weights = torch.segment_reduce(aligned, "sum", lengths=lengths, unsafe=True, initial=0)
     return sums, log_weights / lengths.clamp(min=1)
+
+
+def response_rewards(model, rows: ScoredRows) -> torch.Tensor:
+    """(R,) float32 rewards of the R responses of `rows` by a sequence-classification reward model
+    with one label (reward_head): the head's output at each response's last token, the state
+    that sees the prompt and the whole response, as the model's own forward reads it of a row
+    holding the prompt and that response alone (at its last token that is not padding). No
+    log-probs over the vocabulary."""
+    kept = []
+    handle = reward_head(model).register_forward_hook(
+        lambda module, args, output: kept.append(output)
+    )
+    shared = shared_row_inputs(model.config, rows.position_ids, rows.segment_ids, rows.document_ids)
+    try:
+        model(input_ids=rows.input_ids, use_cache=False, **shared)
+    finally:
+        handle.remove()
+    ends = rows.response_lengths.cumsum(0) - 1
+    # A response's last token follows the state that predicts it, in the same row; where padding
+    # is the EOS, transformers' classifier reads the token before it (the last that is not
+    # padding), and so does this.
+    last = rows.score_index[ends] + (rows.score_targets[ends] != model.config.pad_token_id)
+    return kept[0].flatten(0, 1)[last, 0].float()  # (rows, T, 1) -> (R,)
+
+
+def reward_head(model) -> nn.Module:
+    """The scalar head of a Hugging Face sequence classifier (transformers names it score), inside
+    any wrapper (peft's)."""
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] == "score":
+            return module
+    raise ValueError(f"{type(model).__name__} has no score head: it is not a sequence classifier")
 
 
 def _ld_sums(token_logps: torch.Tensor, rows: ScoredRows, ld_alpha: float) -> torch.Tensor:

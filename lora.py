@@ -95,7 +95,9 @@ def add_adapters(
         lora_alpha=config.lora_alpha,
         lora_dropout=config.lora_dropout,
         target_modules=targets,
-        task_type="CAUSAL_LM",
+        # A sequence classifier (a reward model) is a plain peft model: its head trains whole, as
+        # the caller sets it, under its own name.
+        task_type=None if model.get_output_embeddings() is None else "CAUSAL_LM",
     )
     # peft draws from the global CPU generator (restored on exit), seeded alone: torch.manual_seed
     # would also reseed every CUDA generator, which fork_rng(devices=[]) does not restore, changing

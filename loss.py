@@ -30,6 +30,8 @@ the loss says so), h = c - r, z = beta h, eps = label_smoothing and s = sigmoid,
     orpo       -beta log s(log odds(pi_c) - log odds(pi_r)), log odds(x) = x - log(1 - e^x),
                on mean log-probs; pair_losses adds its NLL        ORPO Eq. 6-7
     sft        the chosen responses' token-mean NLL (chosen_nll)      SFT; RPO: dpo + sft
+    bradley_terry  -log s(r_c - r_r - margin), r a reward model's scores, not log-probs
+               (reward_losses)                                    Bradley-Terry; TRL's RewardTrainer
 
 Around these, in pair_losses (and LD-DPO's and WPO's log-probs, logps.py) (TRL's names):
 
@@ -54,6 +56,7 @@ The functions, one entry point per kind of loss, each returning Losses:
     pair_losses(objective, logps, ref_logps, lengths)   # (2P,) [chosen; rejected] -> (P,) losses
     row_losses(objective, logratios, scores, logps, ref_logps)   # (B, K) rows -> (B,) losses
     response_losses(objective, logratios, logps, desirable, kl, chosen, rejected)   # -> (R,)
+    reward_losses(rewards, margins, center)   # a reward model's (2P,) rewards -> (P,) losses
 
 and the formulas they apply: preference_loss (the pairs' table above), listwise_loss, chosen_nll.
 
@@ -142,11 +145,12 @@ LossType = Literal[
     "kto",
     "apo_zero_unpaired",
     "orpo",
+    "bradley_terry",
 ]
 # TRL's names for ours: resolved in LossConfig, so that checkpoints hold the canonical name.
 _ALIASES = {"sigmoid": "dpo"}
 # Losses that never look at a reference model.
-_REFERENCE_FREE = {"simpo", "sft", "orpo"}
+_REFERENCE_FREE = {"simpo", "sft", "orpo", "bradley_terry"}
 # Losses of a prompt's K responses at once (row_losses), not of its pairs.
 _LISTWISE = {"plackett_luce", "infonca", "nca", "lipo"}
 # Losses of each response alone, by its label (response_losses), not of pairs.
@@ -157,12 +161,17 @@ _AVERAGED = {"simpo", "dpo_norm", "orpo"}
 _F_DIVERGENCE = {"dpo", "dpo_norm", "ipo", "hinge", "robust", "exo_pair", "discopop", "sft"}
 # Pair losses (by our names), which mix (a weighted sum) and take the options that act on pairs;
 # the others go alone.
-_MIXABLE = set(get_args(LossType)) - _LISTWISE - _UNPAIRED - {"orpo"} - set(_ALIASES)
+_MIXABLE = (
+    set(get_args(LossType)) - _LISTWISE - _UNPAIRED - {"orpo", "bradley_terry"} - set(_ALIASES)
+)
+# What a reward model's loss (bradley_terry) takes: the options of log-prob losses are refused.
+_REWARD_OPTIONS = {"loss", "loss_weights", "center_rewards_coefficient"}
 
 # The options' compatibility, checked by LossConfig: each option, when set away from its default,
 # goes only with these losses (or says why) and needs this of the run.
 _PAIRS = "a preference --loss (not sft alone)"
 _GOES_WITH = {
+    "center_rewards_coefficient": ({"bradley_terry"}, _PAIRS, "it centers a reward model's scores"),
     "ld_alpha": (_MIXABLE - {"sft"}, _PAIRS, "sft's and orpo's NLL take plain log-probs"),
     "use_weighting": (
         _MIXABLE - {"aot", "aot_pair"},
@@ -197,6 +206,7 @@ _RANGES = {
     "desirable_weight": (0, math.inf, "a finite number >= 0"),
     "undesirable_weight": (0, math.inf, "a finite number >= 0"),
     "alphapo_alpha": (-math.inf, math.inf, "a finite number"),
+    "center_rewards_coefficient": (0, math.inf, "a finite number >= 0"),
     "ref_model_mixup_alpha": (0, 1, "in [0, 1]"),
     "ref_model_sync_steps": (1, math.inf, ">= 1"),
 }
@@ -211,7 +221,8 @@ class LossConfig:
     (ORPO: its odds-ratio term and its NLL of prompt and chosen response) are reference-free.
     plackett_luce, infonca, nca and lipo are listwise: each takes a prompt's whole row of K scored
     responses at once, not its pairs, and goes alone. kto and apo_zero_unpaired take each response
-    alone by its label (thumbs up or down) and go alone too."""
+    alone by its label (thumbs up or down) and go alone too. bradley_terry trains a reward model
+    (a scalar head on the model, scoring each response at its last token) on the pairs, alone."""
     loss_weights: tuple[float, ...] = ()
     """One weight per --loss, in order (1 each when none is given): the loss is the weighted sum of
     each loss's batch mean. RPO is --loss dpo --loss sft --loss-weights 1 --loss-weights alpha."""
@@ -270,6 +281,9 @@ class LossConfig:
     """TR-DPO's alpha, in [0, 1]: 1 copies the policy into the reference."""
     ref_model_sync_steps: int = 512
     """TR-DPO's period, in optimizer steps."""
+    center_rewards_coefficient: float = 0.0
+    """bradley_terry only: c of TRL's centering term, c x mean((r_chosen + r_rejected)^2), which
+    keeps a reward model's scores near 0 (Eisenstein et al. 2023). 0: none."""
 
     def __post_init__(self):
         # Resolved in place, so that every reader sees the list itself, by our names. A string,
@@ -296,6 +310,20 @@ class LossConfig:
                 if value is not None and not (math.isfinite(value) and low <= value <= high):
                     raise ValueError(f"--{name.replace('_', '-')} must be {said}, got {value}")
         losses = " ".join(self.loss)
+        defaults = {f.name: f.default for f in fields(self)}
+        if "bradley_terry" in self.loss:
+            # The options of losses on log-probs; a reward model has none.
+            flags = [
+                "--" + k.replace("_", "-")
+                for k, v in defaults.items()
+                if getattr(self, k) != v and k not in _REWARD_OPTIONS
+            ]
+            flags += [f"--loss {name}" for name in self.loss if name != "bradley_terry"]
+            if flags:
+                raise ValueError(
+                    f"--loss bradley_terry trains a reward model, which computes no log-probs: "
+                    f"{flags[0]} does not go with it"
+                )
         if len(self.loss) > 1 and set(self.loss) - _MIXABLE:
             raise ValueError(
                 f"--loss {losses}: a listwise loss (plackett_luce, infonca, nca, lipo), an "
@@ -312,7 +340,6 @@ class LossConfig:
             "no reference (--ref none, or simpo)": self.reference_free,
             "a reference model (--ref online)": self.ref == "online" and not self.reference_free,
         }
-        defaults = {f.name: f.default for f in fields(self)}
         for name, (losses_ok, needs, why) in _GOES_WITH.items():
             flag = "--" + name.replace("_", "-")
             if getattr(self, name) == defaults[name]:
@@ -346,6 +373,11 @@ class LossConfig:
         """True for a loss of each response alone by its label (response_losses): its unit is the
         response."""
         return bool(set(self.loss) & _UNPAIRED)
+
+    @property
+    def reward_model(self) -> bool:
+        """True for bradley_terry: a reward model trains, scoring responses (reward_losses)."""
+        return self.loss == ("bradley_terry",)
 
     def averages(self, loss_type: str) -> bool:
         """True when `loss_type` takes per-token mean log-probs instead of sums."""
@@ -533,6 +565,20 @@ def response_losses(
         response_logps=logps,
         kl=kl,
     )
+
+
+def reward_losses(rewards: torch.Tensor, margins: torch.Tensor, center: float = 0.0) -> Losses:
+    """(P,) Bradley-Terry losses of a reward model (TRL's RewardTrainer) from its (2P,) [chosen;
+    rejected] rewards r_c, r_r and (P,) margins m (0 where the data gives none):
+
+        -log s(r_c - r_r - m) + center x (r_c + r_r)^2
+
+    The rewards are logged as a DPO loss's are; a reward model has no log-probs (NaN, not
+    logged)."""
+    chosen, rejected = rewards.float().chunk(2)
+    losses = -F.logsigmoid(chosen - rejected - margins) + center * (chosen + rejected) ** 2
+    absent = torch.full_like(chosen, math.nan)
+    return Losses(losses, "pair", chosen.detach(), rejected.detach(), absent, absent)
 
 
 def _per_token(objective: LossConfig, loss_type: str, lengths: torch.Tensor):

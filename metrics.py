@@ -40,7 +40,7 @@ Copyable on its own: imports only the standard library and torch. This runs as w
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     sums = StepSums(cpu)
     for _ in range(2):  # the step's micro-batches: no host sync in the loop
-        sums.add(row_sums(out, batch), batch_counts(coefficients, 3, True, batch))
+        sums.add(row_sums(out, batch), batch_counts(coefficients, 3, True, batch), out)
     sums.all_reduce()  # once per step
     memory = peak_memory_gb(cpu)
     stats = StepStats(
@@ -75,6 +75,7 @@ PAIR_METRICS = (
     "rewards/rejected",
     "rewards/accuracies",
     "rewards/margins",
+    "rewards/mean",
     "logps/chosen",
     "logps/rejected",
 )
@@ -114,6 +115,7 @@ def row_sums(out, batch) -> torch.Tensor:
                     pair_rows,
                 ),
                 "rewards/margins": (out.chosen_rewards - out.rejected_rewards, pair_rows),
+                "rewards/mean": ((out.chosen_rewards + out.rejected_rewards) / 2, pair_rows),
                 "logps/rejected": (out.rejected_logps, pair_rows),
             }
         )
@@ -173,24 +175,37 @@ class StepSums:
 
     def __init__(self, device: torch.device):
         self._sums = torch.zeros(ROW_COLUMNS + 3, device=device)
+        # The pairs' highest reward and minus their lowest, as TRL logs them: a max over ranks.
+        self._extremes = torch.full((2,), -math.inf, device=device)
 
-    def add(self, rows: torch.Tensor, counts: torch.Tensor) -> None:
-        """A micro-batch: its row_sums and its batch_counts (3,)."""
+    def add(self, rows: torch.Tensor, counts: torch.Tensor, out) -> None:
+        """A micro-batch: its row_sums, its batch_counts (3,) and its loss.Losses `out`."""
         self._sums += torch.cat([rows.sum(0), counts])
+        if out.unit == "pair" and out.rejected_rewards is not None:
+            rewards = torch.cat([out.chosen_rewards, out.rejected_rewards])
+            self._extremes = torch.maximum(
+                self._extremes, torch.stack([rewards.max(), -rewards.min()])
+            )
 
     def all_reduce(self) -> None:
-        """The sums over every rank (a collective)."""
+        """The sums over every rank (collectives)."""
         dist.all_reduce(self._sums)
+        dist.all_reduce(self._extremes, op=dist.ReduceOp.MAX)
 
     def loss_is_finite(self) -> torch.Tensor:
         """() bool on the device: whether the summed loss is finite."""
         return torch.isfinite(self._sums[0])
 
     def totals(self) -> dict:
-        """StepStats' "means" (row_means), "pairs", "tokens", "token_slots" and "flops"."""
+        """StepStats' "means" (row_means; with pairs, their rewards' max and min too), "pairs",
+        "tokens", "token_slots" and "flops"."""
         tokens, slots, flops = self._sums[ROW_COLUMNS:].tolist()
+        means = row_means(self._sums[:ROW_COLUMNS])
+        highest, lowest = self._extremes.tolist()
+        if math.isfinite(highest):
+            means.update({"rewards/max": highest, "rewards/min": -lowest})
         return {
-            "means": row_means(self._sums[:ROW_COLUMNS]),
+            "means": means,
             # The loss's count: its units.
             "pairs": self._sums[len(METRICS)].item(),
             "tokens": tokens,
@@ -261,10 +276,12 @@ class StepStats:
 def flop_coefficients(model) -> tuple[float, float, float]:
     """(a, b, c) for batch_counts from a Hugging Face causal LM (sharded or not): a = 2 per weight
     of every matmul a token runs in the blocks (of a mixture of experts, its top k experts'), b =
-    attention's two (T x T) matmuls per layer, c = 2 per output-layer weight."""
-    head = model.get_output_embeddings().weight
+    attention's two (T x T) matmuls per layer, c = 2 per output-layer weight (0 for a reward
+    model, whose scalar head runs on every token, counted in a)."""
+    head = model.get_output_embeddings()
+    heads = [] if head is None else [head.weight]
     # Embeddings are lookups, and the output layer counts apart: on the scored tokens alone.
-    apart = {id(head)} | {
+    apart = {id(w) for w in heads} | {
         id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)
     }
     linear = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in apart)
@@ -277,7 +294,7 @@ def flop_coefficients(model) -> tuple[float, float, float]:
     return (
         2.0 * linear,
         4.0 * c.num_hidden_layers * c.num_attention_heads * head_dim,
-        2.0 * head.numel(),
+        2.0 * sum(w.numel() for w in heads),
     )
 
 

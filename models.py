@@ -110,9 +110,17 @@ def build_model(config) -> torch.nn.Module:
 
     torch.nn.Module.register_parameter = register_on_meta
     try:
-        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return _model_class(config).from_config(config, dtype=torch.float32)
     finally:
         torch.nn.Module.register_parameter = register
+
+
+def _model_class(config):
+    """The class a config builds: a sequence classifier for one label (a reward model's, as the
+    caller sets num_labels), else a causal LM."""
+    if getattr(config, "num_labels", None) == 1:
+        return transformers.AutoModelForSequenceClassification
+    return transformers.AutoModelForCausalLM
 
 
 def find_weights(name: str) -> list[str]:
@@ -141,12 +149,11 @@ def find_weights(name: str) -> list[str]:
 def open_weights(name: str, config, seed: int) -> dict[str, torch.Tensor]:
     """Every weight by its name in the files, as CPU tensors: a folder's or hub id's safetensors
     files memory-mapped in their own dtype (a slice reads only its own bytes), or the tiny model's
-    random init from `seed`."""
+    random init from `seed`. A config with one label reads a sequence classifier (a reward model):
+    from a causal LM's files, with a new scalar head drawn from `seed`."""
     if name == "tiny":
         torch.manual_seed(seed)
-        return transformers.AutoModelForCausalLM.from_config(
-            config, dtype=torch.float32
-        ).state_dict()
+        return _model_class(config).from_config(config, dtype=torch.float32).state_dict()
     # Under the files' names: transformers may rename or fuse them for the model.
     weights = {}
     for path in find_weights(name):
@@ -165,7 +172,17 @@ def open_weights(name: str, config, seed: int) -> dict[str, torch.Tensor]:
             # then a copy.
             piece = data[begin:end].clone() if begin % dtype.itemsize else data[begin:end]
             weights[key] = piece.view(dtype).view(meta["shape"])
-    return _converted_for(build_model(config), weights)
+    model = build_model(config)
+    weights = _converted_for(model, weights)
+    head = model.state_dict().get("score.weight")
+    if head is not None and "score.weight" not in weights:
+        # A causal LM read as a reward model: a new scalar head, drawn as transformers draws one
+        # (TRL's start), from `seed`; the output layer's weight is not read.
+        generator = torch.Generator().manual_seed(seed)
+        weights["score.weight"] = getattr(config, "initializer_range", 0.02) * torch.randn(
+            head.shape, generator=generator
+        )
+    return weights
 
 
 def _converted_for(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict:
@@ -265,7 +282,9 @@ def save_pretrained(folder: str, model: torch.nn.Module, entries: list, dtype: t
     model.config.dtype = dtype
     model.config.architectures = [type(plain).__name__]
     model.config.save_pretrained(folder)
-    model.generation_config.save_pretrained(folder)
+    # A sequence classifier (a reward model) generates nothing: it has no generation config.
+    if getattr(model, "generation_config", None):
+        model.generation_config.save_pretrained(folder)
     weight_map = {}
     for i, in_file in enumerate(files):
         file = (

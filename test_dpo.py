@@ -2025,6 +2025,11 @@ ROW_ERRORS = {
         ":1: fields 'chosen' and 'rejected' share no prefix",
         "",
     ),
+    "badmargin.jsonl": (
+        '{"prompt": "a", "chosen": "b", "rejected": "c", "margin": "big"}\n',
+        ":1: field 'margin' must be a finite number, got 'big'",
+        "",
+    ),
 }
 
 
@@ -2709,6 +2714,7 @@ def test_each_published_shape_reads_as_scored_responses(tmp_path):
             "prompt": ids("Q1"),
             "responses": [ids("a") + [EOS], ids("b") + [EOS], ids("c") + [EOS]],
             "scores": [0.5, 2.0, -1.0],
+            "margin": 0.0,
         }
     ]
     # The chat shapes render with the template, each response keeping its end-of-turn EOS once.
@@ -2770,6 +2776,7 @@ def test_k_varies_per_row_from_2_to_8(tmp_path):
             "prompt": ids(row["prompt"]),
             "responses": [ids(r) + [EOS] for r in row["responses"]],
             "scores": [float(s) for s in row["scores"]],
+            "margin": 0.0,
         }
     # Distinct scores: all pairs is K (K - 1) / 2 a row, best-vs-rest K - 1, best-vs-worst 1.
     assert summary["rows"] == 4 and summary["responses"] == 18
@@ -2848,6 +2855,7 @@ def test_truncation_keeps_the_prompt_rule_and_cuts_each_response_to_the_room(tmp
         "prompt": ids("abcd"),
         "responses": [ids("xyz") + [EOS], ids("q") + [EOS], ids("rs") + [EOS]],
         "scores": [1.0, 2.0, 3.0],
+        "margin": 0.0,
     }
     # Cut responses keep no EOS; "abcdefgX" and "abcdefghij" repeat "abcdefgh" once cut: the first
     # stays.
@@ -2855,6 +2863,7 @@ def test_truncation_keeps_the_prompt_rule_and_cuts_each_response_to_the_room(tmp
         "prompt": ids("56789"),
         "responses": [ids("abcdefg"), ids("q") + [EOS]],
         "scores": [1.0, 2.0],
+        "margin": 0.0,
     }
     assert start[1]["prompt"] == ids("01234") and len(got) == len(start) == 2
     assert (
@@ -2996,11 +3005,15 @@ def test_cache_round_trip_keeps_rows_and_scores(tmp_path):
 def test_row_tokens_give_each_rows_prompt_and_responses_by_hand():
     lengths = torch.tensor([[2, 3, 5, 0], [1, 4, 6, 2], [3, 7, 1, 1]])
     scores = torch.tensor([[0.0, 1.0, math.nan], [2.0, 2.0, 1.0], [-1.0, -3.0, -0.5]])
-    tokens = RowTokens(torch.arange(int(lengths.sum()), dtype=torch.int32), lengths, scores)
+    margins = torch.tensor([0.5, 0.0, -1.0])
+    tokens = RowTokens(
+        torch.arange(int(lengths.sum()), dtype=torch.int32), lengths, scores, margins
+    )
     assert tokens[0] == {
         "prompt": [0, 1],
         "responses": [[2, 3, 4], [5, 6, 7, 8, 9]],
         "scores": [0.0, 1.0],
+        "margin": 0.5,
     }
     assert tokens[2]["responses"] == [list(range(26, 33)), [33], [34]]  # after 10 + 13 + 3
 
@@ -3111,6 +3124,7 @@ def test_mismatched_completions_are_the_ones_before_in_the_file_as_trl_pairs_the
         "prompt": [7, 8],
         "responses": [[1], [9, 9], [4, 4, 4], [1]],
         "scores": [1.0, 0.0],
+        "margin": 0.0,
     }
     assert paired[1]["responses"] == [[5], [9, 9]] and paired[2]["responses"] == [[4, 4, 4], [5]]
     # Cut to fit --max-length 3 after the prompt, keeping the start, as TRL cuts its KL rows.
@@ -6508,7 +6522,8 @@ def test_scorers_match_the_reward_model_called_directly_and_bad_ones_fail_in_one
     tmp_path, monkeypatch, capsys
 ):
     """A reward model scores each conversation as calling it on its chat template's text does
-    (float32, 1e-5), or prompt + completion where it has no template; the demo's scorer and a
+    (float32, 1e-5), and a text prompt + completion as calling it on that text with one EOS at its
+    end (as train_dpo.py reads a text row, whatever the template); the demo's scorer and a
     module:function give their values; a head of two scores, a non-finite score, a missing module
     and bad prompt files fail with one line naming them, writing nothing."""
     prompts = ["Review the red lamp:", [{"role": "user", "content": "Hi"}], "Rate it:"]
@@ -6521,16 +6536,15 @@ def test_scorers_match_the_reward_model_called_directly_and_bad_ones_fail_in_one
             got = generate.load_scorer(folder, cpu, torch.float32)(prompts, completions[::2])
         model = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
         for prompt, completion, score in zip(prompts, completions[::2], got):
-            if tokenizer.chat_template:
-                messages = (
-                    prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-                )
+            if isinstance(prompt, list):
                 text = tokenizer.apply_chat_template(
-                    messages + [{"role": "assistant", "content": completion}], tokenize=False
+                    prompt + [{"role": "assistant", "content": completion}], tokenize=False
                 )
                 ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")
             else:
+                # The byte tokenizer ends a text with its EOS itself.
                 ids = tokenizer(prompt + completion, return_tensors="pt")
+                assert ids.input_ids[0, -1] == tokenizer.eos_token_id
             with torch.no_grad():
                 direct = model(**ids).logits[0, 0].item()
             # An order-1 output of a float32 forward on another batch shape: LOGP_REL of it.
@@ -7294,6 +7308,7 @@ PACKED_GRID = {
     "krows": ("--loss", "plackett_luce"),
     "kto": ("--loss", "kto"),
     "orpo": ("--loss", "orpo"),
+    "reward": ("--loss", "bradley_terry", "--lora-rank", "4"),
 }
 
 
@@ -7349,6 +7364,13 @@ def test_packed_rows_train_as_unpacked_ones(packed_grid, name):
     assert min(r["padding_efficiency"] for r in read_metrics(plain)) < 1
     if name == "pairs":
         assert read_metrics(packed)[0]["loss"] == pytest.approx(math.log(2), rel=F32_EPS)
+    if name == "reward":
+        # LoRA's adapters and the whole scalar head train; the export is the merged classifier.
+        final = str(outs[name, "packed"] / "final")
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(final)
+        start = _reward_model(model.config.pad_token_id)
+        assert not torch.equal(model.score.weight, start.score.weight)
+        assert not os.path.exists(os.path.join(final, "adapter_config.json"))
     if name == "krows":
         # Resumed from step 2's checkpoint: step 3, the evaluation and the export, every bit.
         resumed = str(outs[name, "resumed"])
@@ -7651,6 +7673,17 @@ def test_dropout_is_off_unless_asked_so_the_first_step_has_zero_rewards(tmp_path
         (["--lr", "inf"], "error: --lr must be a finite number >= 0, got inf"),
         (["--loss-weights", "nan"], "error: --loss-weights must be a finite number, got nan"),
         (["--desirable-weight", "-1"], "error: --desirable-weight must be a finite number >= 0"),
+        (
+            ["--loss", "bradley_terry", "--beta", "0.2"],
+            "error: --loss bradley_terry trains a reward model, which computes no log-probs: "
+            "--beta does not go with it",
+        ),
+        (["--loss", "bradley_terry", "--ref", "precompute"], "log-probs: --ref does not go"),
+        (["--loss", "bradley_terry", "--loss", "sft"], "log-probs: --loss sft does not go"),
+        (
+            ["--center-rewards-coefficient", "0.1"],
+            "error: --center-rewards-coefficient goes only with --loss bradley_terry",
+        ),
     ],
 )
 def test_invalid_flags_fail_with_one_line_and_exit_2(argv, message, capsys):
@@ -7768,12 +7801,17 @@ def test_one_step_over_k_rows_equals_one_over_the_same_pairs_as_a_pair_file(
 
 
 def start_packed_ranks(request, folder):
-    """Background's start of packed_ranks: one step over the K-response file (k_step_args) on two
-    ranks, packed into micro-batches of at most 600 tokens."""
+    """Background's start of packed_ranks, two runs on two ranks: "packed", one step over the
+    K-response file (k_step_args) packed into micro-batches of at most 600 tokens; "reward":
+    REWARD_ARGS on _margin_pairs."""
     k_files = request.getfixturevalue("k_files")
-    outs = {"packed": folder / "packed"}
+    outs = {"packed": folder / "packed", "reward": folder / "reward"}
     args = (*k_step_args(k_files[0], len(K_ROWS)), "--packing", "--micro-batch-tokens", "600")
-    return run_ranks, 2, outs, [trainer_args(outs["packed"], *args)], []
+    runs = [
+        trainer_args(outs["packed"], *args),
+        trainer_args(outs["reward"], "--data", _margin_pairs(folder)[0], *REWARD_ARGS),
+    ]
+    return run_ranks, 2, outs, runs, []
 
 
 @pytest.fixture(scope="module")
@@ -8025,6 +8063,165 @@ def test_orpo_and_cpo_run_no_reference_model(tmp_path, k_files):
     assert b["flops"] == pytest.approx(a["flops"] * 3 / 4, rel=1e-12)
 
 
+# ------------------------------------------------------------------------------------ reward models
+def _reward_model(pad_id, seed=0):
+    """The tiny model as --loss bradley_terry builds it (a sequence classifier, one label, reading
+    a text's score at its last token that is not `pad_id`), whole, on the CPU."""
+    config, _ = tiny_config()
+    config.num_labels = 1
+    config.pad_token_id = pad_id
+    torch.manual_seed(seed)
+    return transformers.AutoModelForSequenceClassification.from_config(config).eval()
+
+
+def _own_rewards(model, rows):
+    """{(row, response): the model's own score of [prompt | response] alone}: its forward, which
+    reads the last token that is not padding."""
+    with torch.no_grad():
+        return {
+            (b, k): model(input_ids=torch.tensor([row["prompt"] + response])).logits[0, 0].item()
+            for b, row in enumerate(rows)
+            for k, response in enumerate(row["responses"])
+        }
+
+
+def test_a_reward_model_scores_each_response_as_its_own_forward_of_prompt_and_response():
+    """logps.response_rewards of separate, shared and packed rows (two and three responses, a
+    one-token prompt) against the sequence classifier's own forward of each prompt + response alone
+    (float32: LOGP_REL of the largest), with padding an id of its own and with padding the EOS
+    (transformers then reads the token before it); the Bradley-Terry loss with margins and
+    centering by hand; its gradient reaches the head."""
+    g = torch.Generator().manual_seed(0)
+    eos = load_tokenizer("tiny").eos_token_id
+
+    def ids(n):
+        return torch.randint(3, 200, (n,), generator=g).tolist()
+
+    rows = [
+        {"prompt": ids(5), "responses": [ids(3) + [eos], ids(6) + [eos]], "scores": [1.0, 0.0]},
+        {"prompt": ids(1), "responses": [ids(2) + [eos], ids(4) + [eos]], "scores": [0.0, 1.0]},
+        {
+            "prompt": ids(4),
+            "responses": [ids(1) + [eos], ids(5) + [eos], ids(2) + [eos]],
+            "scores": [2.0, 0.0, 1.0],
+        },
+    ]
+    rows[0]["margin"] = 0.5
+    for pad in (0, eos):
+        model = _reward_model(pad)
+        own = _own_rewards(model, rows)
+        for share, packing in itertools.product((False, True), repeat=2):
+            batch = batches.collate_rows(rows, pad, share, packing=packing)
+            got = logps.response_rewards(model, batch)
+            expected = torch.tensor(
+                [
+                    own[b, k]
+                    for b, k in zip(batch.response_rows.tolist(), batch.response_columns.tolist())
+                ]
+            )
+            scale = expected.abs().max().item()
+            torch.testing.assert_close(got, expected, rtol=0, atol=LOGP_REL * scale)
+    # The last batch's pairs: [chosen; rejected] rewards, a margin on the first row's pair alone.
+    pairs = batch.pair_sides(got).detach().tolist()
+    chosen, rejected = pairs[: len(pairs) // 2], pairs[len(pairs) // 2 :]
+    margins = [0.5 if b == 0 else 0.0 for b in batch.response_rows[batch.chosen_index].tolist()]
+    assert batch.margins.tolist() == margins and len(margins) == 1 + 1 + 3
+    out = loss.reward_losses(batch.pair_sides(got), batch.margins, 0.01)
+    hand = [
+        math.log1p(math.exp(-(c - r - m))) + 0.01 * (c + r) ** 2
+        for c, r, m in zip(chosen, rejected, margins)
+    ]
+    assert out.losses.tolist() == pytest.approx(hand, rel=F32_REL)
+    assert out.chosen_rewards.tolist() == chosen and out.chosen_logps.isnan().all()
+    out.losses.sum().backward()
+    assert model.score.weight.grad.abs().sum() > 0
+
+
+# 3 float32 steps of a reward model on 16 pairs with margins, centered.
+REWARD_ARGS = (
+    "--loss",
+    "bradley_terry",
+    "--center-rewards-coefficient",
+    "0.01",
+    "--max-steps",
+    "3",
+    "--micro-batch-size",
+    "4",
+    "--eval-data",
+    HELD_OUT,
+)
+
+
+def _reward_rows(pairs, tokenizer):
+    """The pairs' ids as a run tokenizes them (at its default lengths), as rows of two
+    responses."""
+    config = DataConfig()
+    tokens = tokenize(pairs, tokenizer, config.max_length, config.prompt_limit)
+    return [{"prompt": t["prompt"], "responses": [t["chosen"], t["rejected"]]} for t in tokens]
+
+
+def _margin_pairs(folder):
+    """The demo's first 16 pairs, each with TRL's "margin" field: 0, 0.25, 0.5, 0.75 in turn."""
+    pairs = [{**p, "margin": 0.25 * (i % 4)} for i, p in enumerate(demo_pairs("train")[:16])]
+    return write_jsonl(str(folder / "margins.jsonl"), pairs), pairs
+
+
+def test_a_reward_model_trains_on_its_own_forwards_loss_resumes_exactly_and_exports_a_classifier(
+    tmp_path, packed_ranks
+):
+    """--loss bradley_terry, 3 steps of all 16 pairs (so step 1 is every pair): step 1's loss,
+    accuracy and highest and lowest reward are the initial classifier's own forwards' (by hand,
+    TRL's formula with margins and centering); two ranks train alike (packed_ranks' "reward"); a
+    resume from step 2 is bit for bit; final/ loads with AutoModelForSequenceClassification (one
+    label, the pad token set) and its own forwards give the held-out margin training logged;
+    generate.py's scorer reads it so."""
+    data_file, pairs = _margin_pairs(tmp_path)
+    args = ("--data", data_file, *REWARD_ARGS)
+    out = run(tmp_path, "rm", *args, "--save-every", "2")
+    tokenizer = load_tokenizer("tiny")
+    start = _reward_model(tokenizer.pad_token_id)
+    rows = _reward_rows(pairs, tokenizer)
+    own = _own_rewards(start, rows)
+    chosen = [own[b, 0] for b in range(len(rows))]
+    rejected = [own[b, 1] for b in range(len(rows))]
+    hand = [
+        math.log1p(math.exp(-(c - r - p["margin"]))) + 0.01 * (c + r) ** 2
+        for c, r, p in zip(chosen, rejected, pairs)
+    ]
+    first = read_metrics(out)[0]
+    assert first["loss"] == pytest.approx(sum(hand) / len(hand), rel=RUN_REL)
+    assert first["rewards/accuracies"] == sum(c > r for c, r in zip(chosen, rejected)) / 16
+    assert first["rewards/max"] == pytest.approx(max(chosen + rejected), rel=RUN_REL)
+    assert first["rewards/min"] == pytest.approx(min(chosen + rejected), rel=RUN_REL)
+    assert first["rewards/mean"] == pytest.approx(sum(chosen + rejected) / 32, abs=LOGP_REL)
+    assert "logps/chosen" not in first
+    two = str(packed_ranks[0]["reward"])
+    _assert_same_rows(read_metrics(two), read_metrics(out), ("loss", "grad_norm"))
+    wa, wb = _final_weights(two), _final_weights(out)
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=0, atol=ADAM_ATOL)
+    step_2 = os.path.join(out, "checkpoints", "step-2")
+    resumed = run(tmp_path, "resumed", *args, "--resume", step_2)
+    keys = ("loss", "grad_norm", "lr", "rewards/margins", "rewards/max", "rewards/min")
+    _assert_same_rows(read_metrics(resumed), read_metrics(out)[2:], keys, exact=True)
+    wa, wb = _final_weights(resumed), _final_weights(out)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    final = os.path.join(out, "final")
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(final).eval()
+    assert model.config.num_labels == 1 and model.config.pad_token_id == tokenizer.pad_token_id
+    held = _reward_rows(HELD_OUT_PAIRS, tokenizer)
+    scores = _own_rewards(model, held)
+    margins = [scores[b, 0] - scores[b, 1] for b in range(len(held))]
+    logged = read_metrics(out, "eval")[-1]
+    scale = max(map(abs, scores.values()))
+    assert logged["rewards/margins"] == pytest.approx(sum(margins) / 16, abs=LOGP_REL * scale)
+    with world_of_one():
+        scorer = generate.load_scorer(final, CPU, torch.float32)
+        pair = HELD_OUT_PAIRS[0]
+        got = scorer([pair["prompt"]] * 2, [pair["chosen"], pair["rejected"]])
+    assert got == pytest.approx([scores[0, 0], scores[0, 1]], abs=LOGP_REL * scale)
+
+
 def start_stalled(request, folder):
     """Background's start of stalled: two ranks (processes without torchrun) on the demo's data,
     --collective-timeout 3; bench/stall.py stops rank 1 (SIGSTOP) at its second step, after
@@ -8245,9 +8442,9 @@ def test_house_style_that_the_linter_does_not_check():
     """ruff (in .ci/run) checks the layout, line length and lambdas assigned to plain names; this
     checks the rest of the house style. Size counts Python AST statements, as DEVELOPERS.md says:
     blank lines, comments, docstrings (a string alone as a statement: a module's, class's,
-    function's or field's) and the formatter's line breaks are free; train_dpo.py at most 361, all
-    non-test code at most 3,090 (the project's goal is 280 and 2,950, +100 with packing, +40 with
-    the faults' handling). At most 5 end-of-line
+    function's or field's) and the formatter's line breaks are free; train_dpo.py at most 377, all
+    non-test code at most 3,180 (the project's goal is 280 and 2,950, +100 with packing, +40 with
+    the faults' handling, +90 with reward models). At most 5 end-of-line
     comments per 100 code lines in every file; no lambda assigned to a name or attribute, no
     nested conditional expression, no issue numbers in code; code that runs patches nothing
     (unittest.mock) and uses tyro's public API alone."""
@@ -8275,5 +8472,5 @@ def test_house_style_that_the_linter_does_not_check():
             if isinstance(node, (ast.Assign, ast.AnnAssign)):
                 assert not isinstance(node.value, ast.Lambda), f"{name}:{node.lineno}: a lambda"
     del statements["test_dpo.py"]
-    assert statements["train_dpo.py"] <= 361, statements
-    assert sum(statements.values()) <= 3090, statements
+    assert statements["train_dpo.py"] <= 377, statements
+    assert sum(statements.values()) <= 3180, statements

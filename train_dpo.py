@@ -151,6 +151,10 @@ class Config:
         for holds, message in checks:
             if not holds:
                 raise ValueError(message)
+        if self.objective.reward_model:
+            # A reward model samples nothing, and its LoRA export is the merged classifier.
+            self.sampling.num_samples = 0
+            self.lora.export_merged = bool(self.lora.lora_rank)
 
 
 # Resuming with any of these changed is refused; all else may change (--max-steps, --lr, the
@@ -339,6 +343,7 @@ def train_step(
                 run.reference is not None,
                 rows,
             ),
+            out,
         )
 
     sums.all_reduce()
@@ -383,7 +388,11 @@ def micro_batch_loss(
     precompute's table, else from the `reference` model, without gradients and first, so that its
     activations are freed before the policy's exist; both None for a reference-free loss), the
     policy's, then the loss of the objective's kind: per pair, per row (listwise) or per response
-    (unpaired, whose reference point is reduced over the ranks here)."""
+    (unpaired, whose reference point is reduced over the ranks here); or a reward model's loss on
+    its rewards."""
+    if objective.reward_model:
+        rewards = rows.pair_sides(logps.response_rewards(policy_model, rows))
+        return loss.reward_losses(rewards, rows.margins, objective.center_rewards_coefficient)
     if reference is not None:
         with torch.no_grad():
             ref = logps.response_logps(reference, rows, objective.ld_alpha)
@@ -580,6 +589,12 @@ def prepare_run(cfg: Config, device: torch.device, model: str) -> Run:
         metrics.say(f"warning: {mixed.warning}")
     tokenizer = data.load_tokenizer(model, cfg.dataset.chat_template)
     model_config = models.load_model_config(model, tokenizer, cfg.dataset.max_length)
+    pad_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+    if cfg.objective.reward_model:
+        # One label builds the sequence classifier, which reads a text's score at its last token
+        # that is not padding (as the export is read).
+        model_config.num_labels = 1
+        model_config.pad_token_id = pad_id
     if cfg.batching.packing and device.type == "cuda":
         # Packed rows' mask is block-diagonal: FlexAttention's block mask skips the blocks it masks
         # whole, where SDPA's dense mask computes them.
@@ -652,7 +667,7 @@ def prepare_run(cfg: Config, device: torch.device, model: str) -> Run:
         # Refuses less data than one batch, before any weights are read.
         steps=batches.StepBatches(train_rows.lengths, cfg.batching, cfg.seed),
         layout=cfg.batching.layout(
-            tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id,
+            pad_id,
             not cfg.objective.pairwise,
             "orpo" in cfg.objective.loss,
         ),
@@ -761,15 +776,17 @@ def _identity(cfg: Config, summary: dict) -> dict:
 
 # ------------------------------------------------------------------------------------------ models
 def prepare_model(cfg: Config, model):
-    """The model as trained: its output layer scores responses alone (logps.ScoredHead); LoRA's
-    adapters on."""
-    logps.add_scored_head(model)
+    """The model as trained: its output layer scores responses alone (logps.ScoredHead), or a
+    reward model's scalar head; LoRA's adapters on, with a reward model's head trained whole."""
+    if not cfg.objective.reward_model:
+        logps.add_scored_head(model)
+    if not cfg.lora.lora_rank:
+        return model
     # The output layer computes the log-probs: lora.add_adapters refuses adapters on it.
-    return (
-        lora.add_adapters(model, cfg.lora, fsdp_setup.find_block_class(model), cfg.seed)
-        if cfg.lora.lora_rank
-        else model
-    )
+    model = lora.add_adapters(model, cfg.lora, fsdp_setup.find_block_class(model), cfg.seed)
+    if cfg.objective.reward_model:
+        logps.reward_head(model).requires_grad_(True)
+    return model
 
 
 def load_or_precompute_ref(run: Run) -> dict[str, torch.Tensor]:

@@ -1,22 +1,31 @@
-# TRL's KTOTrainer, ORPOTrainer and CPOTrainer on the same model, data, batch and steps; gradient
-# checkpointing off, CPU; the data is read in the file's order. Nothing is saved but the step logs.
+# TRL's KTOTrainer, ORPOTrainer, CPOTrainer and RewardTrainer on the same model, data, batch and
+# steps; gradient checkpointing off, CPU; the data is read in the file's order. Nothing is saved but
+# the step logs.
 import json
 import os
 import sys
 import time
 from datasets import load_dataset
 from torch.utils.data import SequentialSampler
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-from trl import KTOConfig, KTOTrainer
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    TrainerCallback,
+)
+from trl import KTOConfig, KTOTrainer, RewardConfig, RewardTrainer
 from trl.experimental.cpo import CPOConfig, CPOTrainer
 from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
-# usage: python bench/trl_prefs.py kto|orpo|cpo MODEL DATA STEPS BATCH fp32|bf16 OUT_DIR (in a venv
-# with trl==1.16.0 and datasets) TRL_ARGS='{"loss_type": "apo_zero_unpaired"}' adds config
-# arguments. DATA rows: kto {"prompt", "completion", "label": bool}; orpo and cpo {"prompt",
-# "chosen", "rejected"}. OUT_DIR/log_history.json gets the step logs. The last line printed:
-# completions/s (kto) or pairs/s (orpo, cpo) between the first and the last step, as
-# bench/steady.py measures this repo's runs.
+# usage: python bench/trl_prefs.py kto|orpo|cpo|reward MODEL DATA STEPS BATCH fp32|bf16 OUT_DIR
+# (in a venv with trl==1.16.0 and datasets) TRL_ARGS='{"loss_type": "apo_zero_unpaired"}' adds
+# config arguments. DATA rows: kto {"prompt", "completion", "label": bool}; orpo, cpo and reward
+# {"prompt", "chosen", "rejected"}, reward's with an optional "margin". reward: MODEL is a sequence
+# classifier with one label (its head saved, so that both sides start from it), and the rows are
+# tokenized here as prompt + response, EOS appended (the byte tokenizer adds it): given as text,
+# TRL would append the EOS's text and the tokenizer a second EOS. OUT_DIR/log_history.json gets
+# the step logs. The last line printed: completions/s (kto) or pairs/s (the others) between the
+# first and the last step, as bench/steady.py measures this repo's runs.
 #
 # The learning rate: TRL keeps transformers' defaults, lr_scheduler_type="linear" and
 # warmup_steps=0, so it falls linearly from 1e-5 at the first step towards 0 after STEPS steps (step
@@ -33,9 +42,13 @@ Config, Trainer = {
     "kto": (KTOConfig, KTOTrainer),
     "orpo": (ORPOConfig, ORPOTrainer),
     "cpo": (CPOConfig, CPOTrainer),
+    "reward": (RewardConfig, RewardTrainer),
 }[trainer_name]
 tok = AutoTokenizer.from_pretrained(model_dir)
-model = AutoModelForCausalLM.from_pretrained(model_dir)
+if trainer_name == "reward":
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1)
+else:
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
 settings = dict(
     output_dir=out + "-trainer",
     per_device_train_batch_size=batch,
@@ -57,8 +70,10 @@ settings = dict(
     # neither trainer overrides _get_train_sampler, so this keeps the file's order for all three.
     train_sampling_strategy="sequential",
 )
-if trainer_name != "kto":
+if trainer_name in ("orpo", "cpo"):
     settings["max_completion_length"] = None
+if trainer_name == "reward":
+    del settings["beta"]
 config = Config(**{**settings, **json.loads(os.environ.get("TRL_ARGS", "{}"))})
 assert config.train_sampling_strategy == "sequential"
 
@@ -73,11 +88,20 @@ class StepTimes(TrainerCallback):
         self.times.append(time.perf_counter())
 
 
+dataset = load_dataset("json", data_files=data_path)["train"]
+if trainer_name == "reward":
+    dataset = dataset.map(
+        lambda row: {
+            "chosen_ids": tok(row["prompt"] + row["chosen"]).input_ids,
+            "rejected_ids": tok(row["prompt"] + row["rejected"]).input_ids,
+        },
+        remove_columns=["prompt", "chosen", "rejected"],
+    )
 step_times = StepTimes()
 trainer = Trainer(
     model=model,
     args=config,
-    train_dataset=load_dataset("json", data_files=data_path)["train"],
+    train_dataset=dataset,
     processing_class=tok,
     callbacks=[step_times],
 )
