@@ -89,8 +89,9 @@ class BatchConfig:
     sees its own prompt and itself only, at the positions it has alone): training micro-batches are
     then counted in tokens (--micro-batch-tokens), packed greedily from the step's rows in order;
     evaluation's and --ref precompute's micro-batches of --micro-batch-size rows are packed too."""
-    micro_batch_tokens: int = 4096
-    """With --packing: the most tokens in one training micro-batch (a row longer goes alone)."""
+    micro_batch_tokens: int | Literal["auto"] = 4096
+    """With --packing: the most tokens in one training micro-batch (a row longer goes alone). auto:
+    the packed length of the most rows that the memory plan says fit the GPU (or --gpu-memory)."""
 
     def __post_init__(self):
         if self.batch_size < 1:
@@ -99,7 +100,9 @@ class BatchConfig:
             raise ValueError(f"--epochs must be >= 1, got {self.epochs}")
         if self.max_steps < 0:
             raise ValueError(f"--max-steps must be >= 0, got {self.max_steps}")
-        if self.micro_batch_tokens < 1:
+        if self.micro_batch_tokens == "auto" and not self.packing:
+            raise ValueError("--micro-batch-tokens auto sizes packed micro-batches: add --packing")
+        if self.micro_batch_tokens != "auto" and self.micro_batch_tokens < 1:
             raise ValueError(f"--micro-batch-tokens must be >= 1, got {self.micro_batch_tokens}")
 
     def resolve(self, world_size: int, shares_prompt: bool = True) -> "BatchConfig":

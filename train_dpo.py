@@ -645,15 +645,23 @@ def prepare_run(cfg: Config, device: torch.device, model: str) -> Run:
         _identity(cfg, summary),
         _SAME_RUN,
     )
-    if cfg.memory_plan.plan or cfg.batching.micro_batch_size == "auto":
+    layout = cfg.batching.layout(pad_id, not cfg.objective.pairwise, "orpo" in cfg.objective.loss)
+    auto_tokens = cfg.batching.micro_batch_tokens == "auto"
+    if cfg.memory_plan.plan or cfg.batching.micro_batch_size == "auto" or auto_tokens:
         micro, table = memory.choose(
             plan_memory(cfg, device, mixed, model_config, train_rows),
             cfg.memory_plan,
             device,
-            cfg.batching.micro_batch_size,
+            "auto" if auto_tokens else cfg.batching.micro_batch_size,
         )
         cfg.batching = replace(cfg.batching, micro_batch_size=micro)
         metrics.say(table)
+    if auto_tokens:
+        # The plan's micro-batch of `micro` rows, packed, fits: so does any of as many tokens.
+        longest = [train_rows[i] for i in batches.longest_rows(train_rows, micro)]
+        tokens = layout.collate(longest).input_ids.numel()
+        cfg.batching = replace(cfg.batching, micro_batch_tokens=tokens)
+        metrics.say(f"--micro-batch-tokens auto: {tokens}, the {micro} longest rows packed")
     return Run(
         cfg=cfg,
         device=device,
@@ -666,11 +674,7 @@ def prepare_run(cfg: Config, device: torch.device, model: str) -> Run:
         demo=[] if is_demo else None,
         # Refuses less data than one batch, before any weights are read.
         steps=batches.StepBatches(train_rows.lengths, cfg.batching, cfg.seed),
-        layout=cfg.batching.layout(
-            pad_id,
-            not cfg.objective.pairwise,
-            "orpo" in cfg.objective.loss,
-        ),
+        layout=layout,
         saved=saved,
         start_step=saved["step"] if saved else 0,
     )

@@ -148,6 +148,18 @@ POINTS = {
     "bf16": ("small", 256, 2, 2, ("--precision", "bf16")),
     "bf16-micro4": ("small", 512, 2, 4, ("--precision", "bf16")),
     "simpo": ("small", 256, 2, 2, ("--loss", "simpo")),
+    # Packed rows (--packing), micro-batches of --micro-batch-tokens holding `micro` rows: a shared
+    # row of length 256 is 384 tokens, a pair in separate rows 512.
+    "packed": ("small", 256, 2, 2, ("--packing", "--micro-batch-tokens", "768")),
+    "packed-micro4": ("small", 256, 2, 4, ("--packing", "--micro-batch-tokens", "1536")),
+    "packed-separate": (
+        "small",
+        256,
+        2,
+        2,
+        ("--packing", "--no-share-prompt", "--micro-batch-tokens", "1024"),
+    ),
+    "packed-k4": ("small", 256, 4, 2, ("--packing", "--micro-batch-tokens", "1280")),
     "vocab32k": ("vocab32k", 512, 2, 4, ()),
     "vocab32k-bf16": ("vocab32k", 512, 2, 4, ("--precision", "bf16")),
     "vocab32k-checkpointing": ("vocab32k", 512, 2, 4, ("--activation-checkpointing",)),
@@ -355,7 +367,8 @@ def same_choice(families: dict) -> float:
             budget = low + (high - low) * i / 99
             chosen = [max([s for s in peaks if peaks[s][j] <= budget], default=0) for j in (0, 1)]
             same.append(chosen[0] == chosen[1])
-    return sum(same) / max(len(same), 1)
+    # None where no family has two sizes (each packed point its own --micro-batch-tokens).
+    return sum(same) / len(same) if same else None
 
 
 if __name__ == "__main__":
