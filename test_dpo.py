@@ -1260,39 +1260,6 @@ if __name__ == "__main__":  # a start of its own
 FP16_OVERFLOW = ("--batch-size", "4", "--max-steps", "4", "--precision", "fp16")
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
-def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(request, tmp_path, device):
-    """INJECT's overflow on the last rank: on CPU in two_ranks's "fp16" (two ranks), on CUDA in a
-    start of its own (nccl, up to two GPUs)."""
-    if device == "cpu":
-        two_ranks = request.getfixturevalue("two_ranks")
-        out, ranks = two_ranks[0]["fp16"], 2
-        err = run_lines(two_ranks[1], out)
-        assert [(r["error"], r["exit"]) for r in run_records(out, 2)] == [(None, None)] * 2, err
-    else:
-        script, out, ranks = tmp_path / "inject.py", tmp_path / "fp16", min(GPUS, 2)
-        script.write_text(INJECT)
-        proc = torchrun(ranks, str(out), *FP16_OVERFLOW, script=script, device=device)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        err = proc.stderr
-    assert f"on {device}" in err and ("nccl" in err) == (device == "cuda")
-    records = [json.load(open(out / f"record-{r}.json")) for r in range(ranks)]
-    rows = read_metrics(out)
-    # (fp16 from the default 2**16 scale overflows naturally at step 1; step 2 is a normal step.)
-    assert [r["skipped"] for r in rows][1:] == [False, True, False]
-    scales = [r["scale"] for r in records[0]]
-    assert all(
-        [r["scale"] for r in record] == scales for record in records
-    )  # every rank backs off, at once
-    assert scales[3] == scales[2] / 2 and rows[2]["loss_scale"] == scales[2] / 2
-    for record in records:
-        assert (
-            record[1]["checksum"] != record[2]["checksum"]
-        )  # step 2 updated this rank's shard ...
-        assert record[2]["checksum"] == record[3]["checksum"]  # ... step 3 did not, on either rank
-    assert "step 3: non-finite loss or gradient norm, step skipped on every rank" in err
-
-
 def _poison(monkeypatch, bad_calls):
     """Make the trainer's forward return NaN losses on the given (1-based) training forward
     calls."""
@@ -1553,34 +1520,6 @@ def test_find_block_class_without_no_split_modules():
         find_block_class(torch.nn.Linear(2, 2))
 
 
-def test_cpu_offload_trains_resumes_and_exports_as_without_it(six_steps, two_ranks, tmp_path):
-    from torch.distributed.fsdp import FSDPModule
-
-    with world_of_one():  # the trainer's build: every shard offloaded, unpinned on a CPU
-        model, _, _ = sharded_tiny(seed=0, cpu_offload=True)
-        groups = [
-            m._get_fsdp_state()._fsdp_param_group
-            for m in model.modules()
-            if isinstance(m, FSDPModule)
-        ]
-        params = [p for group in groups if group for p in group.fsdp_params]
-        assert params and all(p.offload_to_cpu and not p.pin_memory for p in params)
-    plain, offload = two_ranks[0]["resumed"], two_ranks[0]["offload"]
-    _assert_same_rows(read_metrics(plain), read_metrics(offload))
-    wa, wb = load_safetensors(str(plain / "final")), load_safetensors(str(offload / "final"))
-    assert wa.keys() == wb.keys() and all(
-        torch.allclose(wa[k], wb[k], rtol=0, atol=ADAM_ATOL) for k in wa
-    )
-    # It resumed a checkpoint saved without it; its own, saved on two ranks, resumes without it on
-    # one rank, to the 1-rank run's end.
-    out = run(tmp_path, "again", *SIX, "--resume", str(offload / "checkpoints" / "step-5"))
-    wc = load_safetensors(os.path.join(out, "final"))
-    assert all(
-        torch.allclose(wc[k], v, rtol=0, atol=ADAM_ATOL)
-        for k, v in load_safetensors(os.path.join(six_steps[0], "final")).items()
-    )
-
-
 def start_hsdp_runs(request, folder):
     """Background's "hsdp_runs": on four ranks, 6 steps as 2 replicas of 2 shards ("hsdp"), then
     as FSDP from its step-4 checkpoint ("fsdp": 2x2 -> 4)."""
@@ -1597,36 +1536,6 @@ def start_hsdp_runs(request, folder):
 @pytest.fixture(scope="module")
 def hsdp_runs(background):
     return background.result("hsdp_runs")
-
-
-def test_hsdp_two_replicas_of_two_shards_match_one_rank_and_resume_as_fsdp_on_four(
-    six_steps, hsdp_runs, tmp_path, capsys
-):
-    with pytest.raises(SystemExit) as exit_info:
-        run(tmp_path, "one", "--replicas", "2")
-    assert (
-        exit_info.value.code == 2
-        and "--replicas 2 does not divide the 1 ranks" in capsys.readouterr().err
-    )
-    outs, proc = hsdp_runs
-    hsdp = outs["hsdp"]
-    fsdp = outs["fsdp"]
-    assert_runs_ended(proc, outs.values(), 4)
-    hsdp_err, fsdp_err = proc.stderr.split(f"saved {hsdp / 'final'}")
-    assert "4 rank(s) as 2 replicas x 2 shards (HSDP)" in hsdp_err  # the policy's mesh, as built
-    _assert_same_run(six_steps[0], str(hsdp), exact=False)
-    assert (
-        "4 rank(s) on cpu" in fsdp_err
-        and f"resumed from {hsdp / 'checkpoints' / 'step-4'} at step 4" in fsdp_err
-    )
-    assert "not restored" not in fsdp_err  # same world: RNG too
-    _assert_same_rows(read_metrics(six_steps[0])[4:], read_metrics(str(fsdp)))
-    wa, wb = (
-        load_safetensors(os.path.join(six_steps[0], "final")),
-        load_safetensors(str(fsdp / "final")),
-    )
-    for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=ADAM_ATOL)
 
 
 # ------------------------------------------------------------------------------------------ data.py
@@ -2570,25 +2479,6 @@ def test_a_bad_row_is_named_by_its_index_in_a_json_array_and_by_its_line_in_json
             train_dpo.main(["--data", str(path), "--out-dir", str(out), *ON_CPU])
         assert exit_info.value.code == 2 and not out.exists()
         assert capsys.readouterr().err.strip() == f"error: {where}: missing field 'rejected'"
-
-
-def test_two_ranks_tokenize_once_on_rank_0_and_share_the_cache(two_ranks, tmp_path, monkeypatch):
-    two = two_ranks[0]["resumed"]
-    cache, calls = two.parent / "cache", [r["tokenize_calls"] for r in run_records(two, 2)]
-    assert calls == [
-        2,
-        0,
-    ]  # rank 0 tokenized train and eval; rank 1 read its cache (and trained like one rank)
-    assert len([f for f in os.listdir(cache) if f.startswith("tokens-")]) == 1
-    real, again = data.tokenize_rows, []
-
-    def tokenize_rows(*args, **kwargs):
-        again.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(data, "tokenize_rows", tokenize_rows)
-    run(tmp_path, "again", "--max-steps", "1", "--cache-dir", str(cache))
-    assert again == []  # a later run finds the cache and tokenizes nothing
 
 
 BYTES = data.load_tokenizer("tiny")
@@ -5109,6 +4999,89 @@ def main(argv):  # patched for this run alone, its signal handlers put back afte
 """
 
 
+# Tests of the background's first start (two_ranks): late in the file, as those of hsdp_runs and
+# processes (before the packed grid's), so that the foreground's other tests run while the starts
+# finish.
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(request, tmp_path, device):
+    """INJECT's overflow on the last rank: on CPU in two_ranks's "fp16" (two ranks), on CUDA in a
+    start of its own (nccl, up to two GPUs)."""
+    if device == "cpu":
+        two_ranks = request.getfixturevalue("two_ranks")
+        out, ranks = two_ranks[0]["fp16"], 2
+        err = run_lines(two_ranks[1], out)
+        assert [(r["error"], r["exit"]) for r in run_records(out, 2)] == [(None, None)] * 2, err
+    else:
+        script, out, ranks = tmp_path / "inject.py", tmp_path / "fp16", min(GPUS, 2)
+        script.write_text(INJECT)
+        proc = torchrun(ranks, str(out), *FP16_OVERFLOW, script=script, device=device)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        err = proc.stderr
+    assert f"on {device}" in err and ("nccl" in err) == (device == "cuda")
+    records = [json.load(open(out / f"record-{r}.json")) for r in range(ranks)]
+    rows = read_metrics(out)
+    # (fp16 from the default 2**16 scale overflows naturally at step 1; step 2 is a normal step.)
+    assert [r["skipped"] for r in rows][1:] == [False, True, False]
+    scales = [r["scale"] for r in records[0]]
+    assert all(
+        [r["scale"] for r in record] == scales for record in records
+    )  # every rank backs off, at once
+    assert scales[3] == scales[2] / 2 and rows[2]["loss_scale"] == scales[2] / 2
+    for record in records:
+        assert (
+            record[1]["checksum"] != record[2]["checksum"]
+        )  # step 2 updated this rank's shard ...
+        assert record[2]["checksum"] == record[3]["checksum"]  # ... step 3 did not, on either rank
+    assert "step 3: non-finite loss or gradient norm, step skipped on every rank" in err
+
+
+def test_cpu_offload_trains_resumes_and_exports_as_without_it(six_steps, two_ranks, tmp_path):
+    from torch.distributed.fsdp import FSDPModule
+
+    with world_of_one():  # the trainer's build: every shard offloaded, unpinned on a CPU
+        model, _, _ = sharded_tiny(seed=0, cpu_offload=True)
+        groups = [
+            m._get_fsdp_state()._fsdp_param_group
+            for m in model.modules()
+            if isinstance(m, FSDPModule)
+        ]
+        params = [p for group in groups if group for p in group.fsdp_params]
+        assert params and all(p.offload_to_cpu and not p.pin_memory for p in params)
+    plain, offload = two_ranks[0]["resumed"], two_ranks[0]["offload"]
+    _assert_same_rows(read_metrics(plain), read_metrics(offload))
+    wa, wb = load_safetensors(str(plain / "final")), load_safetensors(str(offload / "final"))
+    assert wa.keys() == wb.keys() and all(
+        torch.allclose(wa[k], wb[k], rtol=0, atol=ADAM_ATOL) for k in wa
+    )
+    # It resumed a checkpoint saved without it; its own, saved on two ranks, resumes without it on
+    # one rank, to the 1-rank run's end.
+    out = run(tmp_path, "again", *SIX, "--resume", str(offload / "checkpoints" / "step-5"))
+    wc = load_safetensors(os.path.join(out, "final"))
+    assert all(
+        torch.allclose(wc[k], v, rtol=0, atol=ADAM_ATOL)
+        for k, v in load_safetensors(os.path.join(six_steps[0], "final")).items()
+    )
+
+
+def test_two_ranks_tokenize_once_on_rank_0_and_share_the_cache(two_ranks, tmp_path, monkeypatch):
+    two = two_ranks[0]["resumed"]
+    cache, calls = two.parent / "cache", [r["tokenize_calls"] for r in run_records(two, 2)]
+    assert calls == [
+        2,
+        0,
+    ]  # rank 0 tokenized train and eval; rank 1 read its cache (and trained like one rank)
+    assert len([f for f in os.listdir(cache) if f.startswith("tokens-")]) == 1
+    real, again = data.tokenize_rows, []
+
+    def tokenize_rows(*args, **kwargs):
+        again.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(data, "tokenize_rows", tokenize_rows)
+    run(tmp_path, "again", "--max-steps", "1", "--cache-dir", str(cache))
+    assert again == []  # a later run finds the cache and tokenizes nothing
+
+
 def test_two_ranks_match_one_then_a_preempted_step_is_saved_once_and_resumes_on_one_rank(
     six_steps, two_ranks
 ):
@@ -5160,34 +5133,6 @@ def write_data(self, plan, planner):
 FileSystemWriter.write_data = write_data
 train_dpo.main(sys.argv[1:])
 """
-
-
-def test_sigusr1_from_outside_saves_the_finished_step_and_exits_promptly(processes):
-    # SIGUSR1 (SLURM's warning before the time limit) as SIGTERM (the preempted two-rank test sends
-    # that one): processes's "sigusr1".
-    (out, code, err), waited = processes[0]["sigusr1"], processes[1]
-    assert waited < 60 and code == 128 + signal.SIGUSR1, err
-    last = read_metrics(str(out))[-1]["step"]
-    assert (out / "checkpoints" / "latest").read_text() == f"step-{last}" and 2 <= last < 200
-    run(
-        out.parent, out.name, "--max-steps", str(last + 1), "--resume", "latest"
-    )  # a shorter run: allowed
-    assert [r["step"] for r in read_metrics(str(out))] == list(
-        range(1, last + 2)
-    )  # no step lost or repeated
-
-
-def test_a_run_killed_during_an_async_save_resumes_from_the_last_complete_one(six_steps, processes):
-    out, code, err = processes[0]["killed"]
-    assert code == -signal.SIGKILL, err[-3000:]
-    saved = out / "checkpoints"
-    assert (saved / "latest").read_text() == "step-2" and (saved / "step-4.tmp").is_dir()
-    assert sorted(os.listdir(saved)) == ["latest", "step-2", "step-4.tmp"]
-    # Step 2 was written while steps 3 and 4 trained: from it, the run ends exactly as the
-    # uninterrupted one.
-    run(out.parent, out.name, *SIX, "--save-every", "2", "--async-save", "--resume", "latest")
-    _assert_same_run(six_steps[0], str(out))
-    assert sorted(os.listdir(saved)) == ["latest", "step-2", "step-4", "step-6"]
 
 
 def test_background_saves_work_in_one_process_group_after_another(tmp_path):
@@ -7332,7 +7277,6 @@ PACKED_GRID = {
     "krows": ("--loss", "plackett_luce"),
     "kto": ("--loss", "kto"),
     "orpo": ("--loss", "orpo"),
-    "reward": ("--loss", "bradley_terry", "--lora-rank", "4"),
 }
 
 
@@ -7370,6 +7314,64 @@ def packed_grid(background):
     return background.result("packed_grid")
 
 
+def test_hsdp_two_replicas_of_two_shards_match_one_rank_and_resume_as_fsdp_on_four(
+    six_steps, hsdp_runs, tmp_path, capsys
+):
+    with pytest.raises(SystemExit) as exit_info:
+        run(tmp_path, "one", "--replicas", "2")
+    assert (
+        exit_info.value.code == 2
+        and "--replicas 2 does not divide the 1 ranks" in capsys.readouterr().err
+    )
+    outs, proc = hsdp_runs
+    hsdp = outs["hsdp"]
+    fsdp = outs["fsdp"]
+    assert_runs_ended(proc, outs.values(), 4)
+    hsdp_err, fsdp_err = proc.stderr.split(f"saved {hsdp / 'final'}")
+    assert "4 rank(s) as 2 replicas x 2 shards (HSDP)" in hsdp_err  # the policy's mesh, as built
+    _assert_same_run(six_steps[0], str(hsdp), exact=False)
+    assert (
+        "4 rank(s) on cpu" in fsdp_err
+        and f"resumed from {hsdp / 'checkpoints' / 'step-4'} at step 4" in fsdp_err
+    )
+    assert "not restored" not in fsdp_err  # same world: RNG too
+    _assert_same_rows(read_metrics(six_steps[0])[4:], read_metrics(str(fsdp)))
+    wa, wb = (
+        load_safetensors(os.path.join(six_steps[0], "final")),
+        load_safetensors(str(fsdp / "final")),
+    )
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=ADAM_ATOL)
+
+
+def test_sigusr1_from_outside_saves_the_finished_step_and_exits_promptly(processes):
+    # SIGUSR1 (SLURM's warning before the time limit) as SIGTERM (the preempted two-rank test sends
+    # that one): processes's "sigusr1".
+    (out, code, err), waited = processes[0]["sigusr1"], processes[1]
+    assert waited < 60 and code == 128 + signal.SIGUSR1, err
+    last = read_metrics(str(out))[-1]["step"]
+    assert (out / "checkpoints" / "latest").read_text() == f"step-{last}" and 2 <= last < 200
+    run(
+        out.parent, out.name, "--max-steps", str(last + 1), "--resume", "latest"
+    )  # a shorter run: allowed
+    assert [r["step"] for r in read_metrics(str(out))] == list(
+        range(1, last + 2)
+    )  # no step lost or repeated
+
+
+def test_a_run_killed_during_an_async_save_resumes_from_the_last_complete_one(six_steps, processes):
+    out, code, err = processes[0]["killed"]
+    assert code == -signal.SIGKILL, err[-3000:]
+    saved = out / "checkpoints"
+    assert (saved / "latest").read_text() == "step-2" and (saved / "step-4.tmp").is_dir()
+    assert sorted(os.listdir(saved)) == ["latest", "step-2", "step-4.tmp"]
+    # Step 2 was written while steps 3 and 4 trained: from it, the run ends exactly as the
+    # uninterrupted one.
+    run(out.parent, out.name, *SIX, "--save-every", "2", "--async-save", "--resume", "latest")
+    _assert_same_run(six_steps[0], str(out))
+    assert sorted(os.listdir(saved)) == ["latest", "step-2", "step-4", "step-6"]
+
+
 @pytest.mark.parametrize("name", PACKED_GRID)
 def test_packed_rows_train_as_unpacked_ones(packed_grid, name):
     """3 float32 steps of 8 rows packed (--packing, micro-batches of at most 700 tokens) against the
@@ -7388,13 +7390,6 @@ def test_packed_rows_train_as_unpacked_ones(packed_grid, name):
     assert min(r["padding_efficiency"] for r in read_metrics(plain)) < 1
     if name == "pairs":
         assert read_metrics(packed)[0]["loss"] == pytest.approx(math.log(2), rel=F32_EPS)
-    if name == "reward":
-        # LoRA's adapters and the whole scalar head train; the export is the merged classifier.
-        final = str(outs[name, "packed"] / "final")
-        model = transformers.AutoModelForSequenceClassification.from_pretrained(final)
-        start = _reward_model(model.config.pad_token_id)
-        assert not torch.equal(model.score.weight, start.score.weight)
-        assert not os.path.exists(os.path.join(final, "adapter_config.json"))
     if name == "krows":
         # Resumed from step 2's checkpoint: step 3, the evaluation and the export, every bit.
         resumed = str(outs[name, "resumed"])
@@ -7828,13 +7823,17 @@ def test_one_step_over_k_rows_equals_one_over_the_same_pairs_as_a_pair_file(
 def start_packed_ranks(request, folder):
     """Background's start of packed_ranks, two runs on two ranks: "packed", one step over the
     K-response file (k_step_args) packed into micro-batches of at most 600 tokens; "reward":
-    REWARD_ARGS on _margin_pairs."""
+    REWARD_ARGS on _margin_pairs, packed into micro-batches of at most 400 tokens."""
     k_files = request.getfixturevalue("k_files")
     outs = {"packed": folder / "packed", "reward": folder / "reward"}
     args = (*k_step_args(k_files[0], len(K_ROWS)), "--packing", "--micro-batch-tokens", "600")
     runs = [
         trainer_args(outs["packed"], *args),
-        trainer_args(outs["reward"], "--data", _margin_pairs(folder)[0], *REWARD_ARGS),
+        trainer_args(
+            outs["reward"],
+            *("--data", _margin_pairs(folder)[0], *REWARD_ARGS),
+            *("--packing", "--micro-batch-tokens", "400"),
+        ),
     ]
     return run_ranks, 2, outs, runs, []
 
@@ -8196,10 +8195,11 @@ def test_a_reward_model_trains_on_its_own_forwards_loss_resumes_exactly_and_expo
 ):
     """--loss bradley_terry, 3 steps of all 16 pairs (so step 1 is every pair): step 1's loss,
     accuracy and highest and lowest reward are the initial classifier's own forwards' (by hand,
-    TRL's formula with margins and centering); two ranks train alike (packed_ranks' "reward"); a
-    resume from step 2 is bit for bit; final/ loads with AutoModelForSequenceClassification (one
-    label, the pad token set) and its own forwards give the held-out margin training logged;
-    generate.py's scorer reads it so."""
+    TRL's formula with margins and centering); two ranks with packed rows train alike
+    (packed_ranks' "reward"); a resume from step 2 is bit for bit; final/ loads with
+    AutoModelForSequenceClassification (one label, the pad token set) and its own forwards give the
+    held-out margin training logged; generate.py's scorer reads it so. With LoRA (one step) the
+    adapters and the whole head train, and the export is the merged classifier."""
     data_file, pairs = _margin_pairs(tmp_path)
     args = ("--data", data_file, *REWARD_ARGS)
     out = run(tmp_path, "rm", *args, "--save-every", "2")
@@ -8245,6 +8245,11 @@ def test_a_reward_model_trains_on_its_own_forwards_loss_resumes_exactly_and_expo
         pair = HELD_OUT_PAIRS[0]
         got = scorer([pair["prompt"]] * 2, [pair["chosen"], pair["rejected"]])
     assert got == pytest.approx([scores[0, 0], scores[0, 1]], abs=LOGP_REL * scale)
+    lora = run(tmp_path, "lora", *args, "--max-steps", "1", "--lora-rank", "4")
+    final = os.path.join(lora, "final")
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(final)
+    assert not torch.equal(model.score.weight, start.score.weight)
+    assert not os.path.exists(os.path.join(final, "adapter_config.json"))
 
 
 def start_stalled(request, folder):
