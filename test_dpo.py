@@ -8161,6 +8161,30 @@ def test_a_reward_model_scores_each_response_as_its_own_forward_of_prompt_and_re
     assert model.score.weight.grad.abs().sum() > 0
 
 
+def test_a_causal_lm_read_as_a_reward_model_keeps_its_blocks_and_gets_a_new_scalar_head(tmp_path):
+    """models.open_weights of a causal LM's folder (its output layer untied) under a one-label
+    config: every weight the classifier has, the causal LM's own under the same names, and a new
+    (1, H) head drawn from the seed at transformers' scale (std initializer_range), the same for
+    the same seed."""
+    config, tokenizer = tiny_config()
+    causal = tiny_model(config, seed=0)
+    causal.config.tie_word_embeddings = False
+    causal.lm_head.weight = torch.nn.Parameter(causal.lm_head.weight.detach().clone())
+    causal.save_pretrained(tmp_path / "causal")
+    config.num_labels = 1
+    heads = []
+    for seed in (3, 3, 4):
+        weights = models.open_weights(str(tmp_path / "causal"), config, seed)
+        assert set(_reward_model(0).state_dict()) <= set(weights)
+        for name, tensor in causal.state_dict().items():
+            if name != "lm_head.weight":
+                assert torch.equal(weights[name], tensor), name
+        heads.append(weights["score.weight"])
+    assert heads[0].shape == (1, config.hidden_size) and torch.equal(heads[0], heads[1])
+    assert not torch.equal(heads[0], heads[2])
+    assert torch.cat(heads).std().item() == pytest.approx(config.initializer_range, rel=0.2)
+
+
 # 3 float32 steps of a reward model on 16 pairs with margins, centered.
 REWARD_ARGS = (
     "--loss",
