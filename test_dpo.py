@@ -1020,12 +1020,12 @@ def background(request, tmp_path_factory):
         "two_ranks": start_two_ranks,
         "hsdp_runs": start_hsdp_runs,
         "processes": start_processes,
-        "onpolicy": start_onpolicy,
-        "imports": start_imports,
-        "compiled_runs": start_compiled_runs,
-        "packed_ranks": start_packed_ranks,
         "packed_grid": start_packed_grid,
+        "packed_ranks": start_packed_ranks,
+        "onpolicy": start_onpolicy,
+        "compiled_runs": start_compiled_runs,
         "stalled": start_stalled,
+        "imports": start_imports,
     }
     runs = Background(request, tmp_path_factory, starts)
     wanted = {name for item in request.session.items for name in item.fixturenames}
